@@ -1,0 +1,1 @@
+"""Load generation, benchmarks and the vLLM stand-in."""

@@ -1,0 +1,122 @@
+"""Start and stop local processes (simulated replicas, routers) on 127.0.0.1, each stopped by its PID.
+
+Used by the tests, the benchmarks and the local demo.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    """A child process on a known port."""
+
+    name: str
+    argv: list[str]
+    port: int
+    env: dict[str, str] | None = None
+    log_path: Path | None = None
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def start(self) -> "Proc":
+        env = dict(os.environ)
+        env.update(self.env or {})
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.popen = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL)
+        return self
+
+    def wait_http(self, path: str = "/health", timeout: float = 20.0, want: int = 200) -> None:
+        deadline = time.monotonic() + timeout
+        last: object = None
+        while time.monotonic() < deadline:
+            if self.popen is not None and self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}; log: {self.log_tail()}")
+            try:
+                r = httpx.get(self.url + path, timeout=1.0)
+                if r.status_code == want:
+                    return
+                last = r.status_code
+            except httpx.HTTPError as e:
+                last = e
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} did not answer {path} with {want} in {timeout}s (last: {last!r}); "
+                           f"log: {self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        if self.log_path and self.log_path.exists():
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        return "(no log)"
+
+    def signal(self, sig: int) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            os.kill(self.popen.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL and reap: the process dies as a crashed replica would."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(5)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        return self.popen.returncode
+
+    def restart(self) -> "Proc":
+        self.stop()
+        return self.start()
+
+
+def simulator(port: int | None = None, model: str = "tiny", *args: str, log_dir: Path | None = None,
+              name: str | None = None) -> Proc:
+    port = port or free_port()
+    argv = [sys.executable, "-m", "loadtest.simulator", "--port", str(port), "--model", model, *args]
+    name = name or f"sim-{port}"
+    return Proc(name, argv, port, log_path=(log_dir / f"{name}.log") if log_dir else None)
+
+
+def router(replicas: list[str], *args: str, port: int | None = None, log_dir: Path | None = None,
+           env: dict[str, str] | None = None, name: str = "router") -> Proc:
+    port = port or free_port()
+    argv = [sys.executable, "-m", "router", "serve", "--port", str(port)]
+    for r in replicas:
+        argv += ["--replica", r]
+    argv += list(args)
+    return Proc(name, argv, port, env=env, log_path=(log_dir / f"{name}-{port}.log") if log_dir else None)

@@ -1,0 +1,488 @@
+"""A vLLM stand-in: vLLM 0.32's OpenAI API, SSE chunk format, errors and /metrics, without a model.
+
+    python -m loadtest.simulator --port 9001 --model tiny [--ttft-ms 20 --itl-ms 5 ...]
+
+It counts prompt tokens as ``ceil(bytes / --bytes-per-token)``, keeps at most ``--max-num-seqs``
+requests running (the rest wait, as in vLLM's scheduler), sleeps a time to first token plus an
+inter-token latency, and reports all of it under vLLM's metric names. When a client disconnects
+the request is aborted and counted as ``finished_reason="abort"``, as vLLM does.
+
+Fault switches for tests, set at start-up with flags or at run time with
+``POST /sim/faults`` (JSON, same names): ``fail_status`` + ``fail_count`` (answer the next N
+generation requests with that status), ``health_status`` (what /health answers), ``hang``
+(accept generation requests and never answer), ``die_after_chunks`` (drop the connection after N
+SSE chunks), ``exit_after_chunks`` (kill the whole process after N chunks), ``stall_after_chunks``
+(stop sending, keep the connection open). ``GET /sim/state`` returns counters and the headers of
+the last generation request. None of ``/sim/*`` exists on a real vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+VERSION = "0.32.0"
+FINGERPRINT = "vllm-0.32.0-98d74f34"
+VOCAB = ("ved", " the", " of", " and", " to", " in", " is", " a", " that", " it")
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+
+@dataclass
+class Faults:
+    fail_status: int = 0
+    fail_count: int = 0
+    health_status: int = 200
+    hang: bool = False
+    die_after_chunks: int = -1
+    exit_after_chunks: int = -1
+    stall_after_chunks: int = -1
+
+
+@dataclass
+class Counters:
+    received: int = 0
+    completed: int = 0
+    aborted: int = 0
+    failed: int = 0
+    running: int = 0
+    waiting: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    last_headers: dict[str, str] = field(default_factory=dict)
+
+
+class _Abort(Exception):
+    pass
+
+
+class VLLMSimulator:
+    def __init__(self, model: str, ttft_ms: float = 20.0, itl_ms: float = 5.0, prefill_us_per_token: float = 0.0,
+                 max_num_seqs: int = 256, block_size: int = 128, num_gpu_blocks: int = 16384,
+                 max_model_len: int = 4096, bytes_per_token: int = 4, api_key: str | None = None,
+                 faults: Faults | None = None, seed: int | None = None) -> None:
+        self.model = model
+        self.ttft = ttft_ms / 1e3
+        self.itl = itl_ms / 1e3
+        self.prefill_per_token = prefill_us_per_token / 1e6
+        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.max_model_len = max_model_len
+        self.bytes_per_token = bytes_per_token
+        self.api_key = api_key
+        self.faults = faults or Faults()
+        self.c = Counters()
+        self.kv_blocks_in_use = 0
+        self.start_time = time.time()
+        self.created = int(self.start_time)
+        self._slots = asyncio.Semaphore(max_num_seqs) if max_num_seqs else None
+        self._rng = random.Random(seed)
+
+    # -- ASGI --------------------------------------------------------------------------------
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        method, path = scope["method"], scope["path"]
+        if method == "GET":
+            if path == "/health":
+                return await _respond(send, self.faults.health_status, b"", [])
+            if path == "/metrics":
+                return await _respond(send, 200, self.render_metrics().encode(),
+                                      [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
+            if path == "/version":
+                return await _json(send, 200, {"version": VERSION})
+            if path == "/v1/models":
+                if not self._authorized(scope):
+                    return await _json(send, 401, {"error": "Unauthorized"})
+                return await _json(send, 200, self.models())
+            if path == "/sim/state":
+                return await _json(send, 200, {"counters": asdict(self.c), "faults": asdict(self.faults),
+                                               "kv_blocks_in_use": self.kv_blocks_in_use})
+        elif method == "POST":
+            body = await _read_body(receive)
+            if path == "/sim/faults":
+                for k, v in json.loads(body or b"{}").items():
+                    setattr(self.faults, k, v)
+                return await _json(send, 200, asdict(self.faults))
+            if path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"):
+                if not self._authorized(scope):
+                    return await _json(send, 401, {"error": "Unauthorized"})
+                return await self._endpoint(path, scope, body, receive, send)
+        await _json(send, 404, {"detail": "Not Found"})
+
+    def _authorized(self, scope: dict[str, Any]) -> bool:
+        if not self.api_key:
+            return True
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                return v.decode("latin-1") == f"Bearer {self.api_key}"
+        return False
+
+    async def _endpoint(self, path: str, scope: dict[str, Any], body: bytes, receive: Any, send: Any) -> None:
+        try:
+            req = json.loads(body)
+            if not isinstance(req, dict):
+                raise ValueError
+        except ValueError:
+            return await _json(send, 400, _error(
+                "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.1', 'msg': 'JSON decode error', "
+                "'input': '<dict of 0 items>', 'ctx': {'error': 'Expecting property name enclosed in double quotes'}}",
+                "Bad Request", "body.1", 400))
+        model = req.get("model", self.model)
+        if model != self.model:
+            return await _json(send, 404, _error(
+                f"The model `{model}` does not exist. Valid aliases: {self.model}.", "NotFoundError", "model", 404))
+        if path == "/tokenize":
+            ids = self.token_ids(req)
+            return await _json(send, 200, {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                                           "token_strs": None})
+        if path == "/detokenize":
+            text = "".join(VOCAB[t % len(VOCAB)] for t in req.get("tokens", []))
+            return await _json(send, 200, {"prompt": text})
+        if path == "/v1/embeddings":
+            n = self.count_tokens(_text_of(req.get("input", "")))
+            vec = [round(self._rng.uniform(-1, 1), 6) for _ in range(8)]
+            return await _json(send, 200, {
+                "id": f"embd-{uuid.uuid4().hex[:16]}", "object": "list", "created": int(time.time()), "model": model,
+                "data": [{"index": 0, "object": "embedding", "embedding": vec}],
+                "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None}})
+        chat = path == "/v1/chat/completions"
+        if not chat and not req.get("prompt"):
+            return await _json(send, 400, _error(
+                "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+                "BadRequestError", "prompt", 400))
+        max_tokens = req.get("max_completion_tokens") or req.get("max_tokens") or 16
+        if max_tokens > self.max_model_len:
+            return await _json(send, 400, _error(
+                f"max_tokens={max_tokens} cannot be greater than max_model_len={self.max_model_len}. Please request "
+                f"fewer output tokens. (parameter=max_tokens, value={max_tokens})", "BadRequestError", "max_tokens", 400))
+        self.c.received += 1
+        self.c.last_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        f = self.faults
+        if f.fail_count > 0 and f.fail_status:
+            f.fail_count -= 1
+            self.c.failed += 1
+            return await _json(send, f.fail_status, _error("simulated failure", "InternalServerError", None,
+                                                            f.fail_status))
+        await self._generate(chat, req, max_tokens, receive, send)
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def _generate(self, chat: bool, req: dict[str, Any], max_tokens: int, receive: Any, send: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        gone = {"flag": False, "done": False}
+
+        async def watch() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    if not gone["done"]:
+                        gone["flag"] = True
+                        task.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        prompt_tokens = self.count_tokens(_prompt_text(req, chat))
+        blocks = math.ceil((prompt_tokens + max_tokens) / self.block_size)
+        self.c.waiting += 1
+        holding = False
+        running = False
+        try:
+            if self._slots is not None:
+                await self._slots.acquire()
+                holding = True
+            self.c.waiting -= 1
+            self.c.running += 1
+            running = True
+            self.kv_blocks_in_use += blocks
+            self.c.prompt_tokens += prompt_tokens
+            self.c.prefix_queries += prompt_tokens
+            if self.faults.hang:
+                await asyncio.Event().wait()
+            await asyncio.sleep(self.ttft + self.prefill_per_token * prompt_tokens)
+            if req.get("stream"):
+                await self._stream(chat, req, max_tokens, prompt_tokens, send)
+            else:
+                await self._whole(chat, req, max_tokens, prompt_tokens, send)
+            self.c.completed += 1
+        except asyncio.CancelledError:
+            if not gone["flag"]:
+                raise
+            task.uncancel()
+            self.c.aborted += 1
+        except _Abort:
+            self.c.aborted += 1
+        finally:
+            gone["done"] = True
+            watcher.cancel()
+            if running:
+                self.c.running -= 1
+                self.kv_blocks_in_use -= blocks
+            else:
+                self.c.waiting -= 1
+            if holding and self._slots is not None:
+                self._slots.release()
+
+    def _text(self, i: int) -> str:
+        return VOCAB[i % len(VOCAB)] if i else VOCAB[0]
+
+    async def _whole(self, chat: bool, req: dict[str, Any], n: int, prompt_tokens: int, send: Any) -> None:
+        await asyncio.sleep(self.itl * max(0, n - 1))
+        text = "".join(self._text(i) for i in range(n))
+        self.c.generation_tokens += n
+        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n, "completion_tokens": n,
+                 "prompt_tokens_details": {"cached_tokens": 0, "created_cache_tokens": None, "multimodal_tokens": None},
+                 "completion_tokens_details": None}
+        now = int(time.time())
+        if chat:
+            usage["prompt_tokens_details"]["created_cache_tokens"] = 0
+            payload = {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": now,
+                       "model": self.model, "choices": [{
+                           "index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
+                                                   "annotations": None, "audio": None, "function_call": None,
+                                                   "reasoning": None},
+                           "logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": None,
+                           "routed_experts": None}],
+                       "service_tier": None, "system_fingerprint": FINGERPRINT, "usage": usage,
+                       "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
+                       "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+        else:
+            payload = {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion", "created": now,
+                       "model": self.model, "choices": [{
+                           "index": 0, "text": text, "logprobs": None, "finish_reason": "length",
+                           "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
+                           "prompt_token_ids": None, "routed_experts": None}],
+                       "service_tier": None, "system_fingerprint": FINGERPRINT, "usage": usage,
+                       "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+        await _json(send, 200, payload)
+
+    async def _stream(self, chat: bool, req: dict[str, Any], n: int, prompt_tokens: int, send: Any) -> None:
+        f = self.faults
+        rid = f"chatcmpl-{uuid.uuid4().hex[:16]}" if chat else f"cmpl-{uuid.uuid4().hex[:16]}"
+        now = int(time.time())
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        sent = 0
+
+        async def emit(obj: dict[str, Any] | str) -> None:
+            nonlocal sent
+            if sent == f.exit_after_chunks:
+                os._exit(17)
+            if sent == f.die_after_chunks:
+                raise _Abort()  # leaves the response unfinished: the server drops the connection
+            if sent == f.stall_after_chunks:
+                await asyncio.Event().wait()
+            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+            await send({"type": "http.response.body", "body": b"data: " + data.encode() + b"\n\n", "more_body": True})
+            sent += 1
+
+        if chat:
+            head = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": self.model}
+            await emit({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}],
+                        "prompt_token_ids": None, "prompt_text": None})
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(self.itl)
+                last = i == n - 1
+                choice: dict[str, Any] = {"index": 0, "delta": {"content": self._text(i)}, "logprobs": None,
+                                          "finish_reason": "length" if last else None}
+                if last:
+                    choice["stop_reason"] = None
+                choice["token_ids"] = None
+                self.c.generation_tokens += 1
+                await emit({**head, "choices": [choice]})
+        else:
+            head = {"id": rid, "object": "text_completion", "created": now, "model": self.model}
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(self.itl)
+                last = i == n - 1
+                self.c.generation_tokens += 1
+                await emit({**head, "choices": [{"index": 0, "text": self._text(i), "logprobs": None,
+                                                 "finish_reason": "length" if last else None, "stop_reason": None,
+                                                 "prompt_token_ids": None, "token_ids": None}]})
+        if (req.get("stream_options") or {}).get("include_usage"):
+            details: dict[str, Any] = {"cached_tokens": 0}
+            if chat:
+                details["created_cache_tokens"] = 0
+            await emit({**head, "choices": [], "usage": {
+                "prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n, "completion_tokens": n,
+                "prompt_tokens_details": details}, "system_fingerprint": FINGERPRINT})
+        await emit("[DONE]")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    # -- tokens ------------------------------------------------------------------------------
+
+    def count_tokens(self, text: str) -> int:
+        return max(1, math.ceil(len(text.encode()) / self.bytes_per_token))
+
+    def token_ids(self, req: dict[str, Any]) -> list[int]:
+        raw = _prompt_text(req, "messages" in req).encode()
+        step = self.bytes_per_token
+        return [int.from_bytes(raw[i:i + step], "little") % 32000 for i in range(0, len(raw), step)] or [0]
+
+    # -- metadata ----------------------------------------------------------------------------
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": self.created, "owned_by": "vllm",
+            "root": f"/models/{self.model}", "parent": None, "max_model_len": self.max_model_len,
+            "permission": [{"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission",
+                            "created": self.created, "allow_create_engine": False, "allow_sampling": True,
+                            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                            "allow_fine_tuning": False, "organization": "*", "group": None,
+                            "is_blocking": False}]}]}
+
+    def render_metrics(self) -> str:
+        lab = f'engine="0",model_name="{self.model}"'
+        c = self.c
+        usage = min(1.0, self.kv_blocks_in_use / self.num_gpu_blocks) if self.num_gpu_blocks else 0.0
+        lines = [
+            "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
+            "# TYPE process_start_time_seconds gauge",
+            f"process_start_time_seconds {self.start_time:.2f}",
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{lab}}} {float(c.running)}",
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{lab}}} {float(c.waiting)}",
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{{{lab}}} {usage}",
+            "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.",
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f"vllm:prefix_cache_queries_total{{{lab}}} {float(c.prefix_queries)}",
+            "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f"vllm:prefix_cache_hits_total{{{lab}}} {float(c.prefix_hits)}",
+            "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
+            "# TYPE vllm:prompt_tokens_total counter",
+            f"vllm:prompt_tokens_total{{{lab}}} {float(c.prompt_tokens)}",
+            "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{{{lab}}} {float(c.generation_tokens)}",
+            "# HELP vllm:request_success_total Count of successfully processed requests.",
+            "# TYPE vllm:request_success_total counter",
+        ]
+        for reason, n in (("stop", 0), ("length", c.completed), ("abort", c.aborted), ("error", c.failed)):
+            lines.append(f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="{self.model}"}} {float(n)}')
+        lines += [
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+            "# TYPE vllm:cache_config_info gauge",
+            f'vllm:cache_config_info{{block_size="{self.block_size}",enable_prefix_caching="True",engine="0",'
+            f'kv_cache_size_tokens="{self.block_size * self.num_gpu_blocks}",num_gpu_blocks="{self.num_gpu_blocks}",'
+            f'prefix_caching_hash_algo="sha256"}} 1.0',
+        ]
+        return "\n".join(lines) + "\n"
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _error(message: str, type: str, param: str | None, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _text_of(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(_text_of(v) for v in value)
+    if isinstance(value, dict):
+        if value.get("type") == "text":
+            return str(value.get("text", ""))
+        if value.get("type") == "image_url":
+            return "<image>"
+        return json.dumps(value, sort_keys=True)
+    return "" if value is None else str(value)
+
+
+def _prompt_text(req: dict[str, Any], chat: bool) -> str:
+    if not chat:
+        return _text_of(req.get("prompt", ""))
+    parts = []
+    for m in req.get("messages") or []:
+        if isinstance(m, dict):
+            parts.append(f"<|{m.get('role', 'user')}|>\n{_text_of(m.get('content'))}\n")
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+async def _read_body(receive: Any) -> bytes:
+    chunks = []
+    while True:
+        msg = await receive()
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _respond(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": headers + [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _json(send: Any, status: int, obj: Any) -> None:
+    await _respond(send, status, json.dumps(obj, separators=(",", ":")).encode(), _JSON_HEADERS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.simulator", description="vLLM stand-in for tests and demos")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9001)
+    p.add_argument("--model", default="tiny", help="served model name")
+    p.add_argument("--ttft-ms", type=float, default=20.0, help="time to first token, fixed part")
+    p.add_argument("--prefill-us-per-token", type=float, default=0.0, help="time to first token, per prompt token")
+    p.add_argument("--itl-ms", type=float, default=5.0, help="time between output tokens")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once; the rest wait")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--num-gpu-blocks", type=int, default=16384)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--bytes-per-token", type=int, default=4)
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"), help="require this bearer key, like vllm --api-key")
+    p.add_argument("--seed", type=int)
+    for name in ("fail_status", "fail_count", "health_status", "die_after_chunks", "exit_after_chunks",
+                 "stall_after_chunks"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(Faults(), name))
+    p.add_argument("--hang", action="store_true")
+    args = p.parse_args(argv)
+    faults = Faults(**{k: getattr(args, k) for k in asdict(Faults())})
+    app = VLLMSimulator(args.model, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
+                        prefill_us_per_token=args.prefill_us_per_token, max_num_seqs=args.max_num_seqs,
+                        block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+                        max_model_len=args.max_model_len, bytes_per_token=args.bytes_per_token,
+                        api_key=args.api_key, faults=faults, seed=args.seed)
+    import uvicorn
+    try:
+        import uvloop  # noqa: F401
+        loop = "uvloop"
+    except ImportError:  # pragma: no cover
+        loop = "asyncio"
+    uvicorn.run(app, host=args.host, port=args.port, loop=loop, http="httptools", log_level="warning",
+                access_log=False, server_header=False, date_header=True, timeout_graceful_shutdown=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

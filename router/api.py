@@ -1,0 +1,242 @@
+"""The HTTP surface: OpenAI-compatible endpoints, health, metrics and the admin API.
+
+The proxied endpoints are plain ASGI apps (no per-request dependency injection or body models):
+they check the key, read the body within its limit, pull out what routing needs and hand the
+raw bytes to the :class:`~router.proxy.Forwarder`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
+
+from . import __version__, errors
+from .admission import Admission
+from .auth import Auth
+from .config import RouterConfig
+from .errors import GatewayError
+from .events import EventBus
+from .metrics import Metrics
+from .policy import RouteRequest, build_policy
+from .pool import ReplicaPool
+from .proxy import Call, Forwarder, client_headers, send_error
+
+log = logging.getLogger("kvroute.api")
+
+# endpoint -> the body field it cannot do without (any one of several)
+PROXIED: dict[str, tuple[str, ...]] = {
+    "/v1/chat/completions": ("messages",),
+    "/v1/completions": ("prompt", "prompt_embeds"),
+    "/v1/embeddings": ("input", "messages"),
+    "/tokenize": ("prompt", "messages"),
+    "/detokenize": ("tokens",),
+}
+
+
+class Gateway:
+    """Everything one running router holds: pool, routing stage, admission, forwarding."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.events = EventBus()
+        self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.events)
+        self.policy = build_policy(config.policy)
+        self.admission = Admission(self.pool, self.policy, config.queue, self.metrics)
+        self.forwarder = Forwarder(self.pool, self.admission, config.proxy, self.metrics)
+        self.auth = Auth(config.auth)
+        self.started = time.time()
+
+    def single_model(self) -> str | None:
+        models = set()
+        for r in self.pool:
+            models |= r.models
+        return next(iter(models)) if len(models) == 1 else None
+
+
+def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
+    for k, v in headers:
+        if k == b"x-request-id":
+            if 0 < len(v) <= 128 and v.isascii() and v.decode().isprintable():
+                return v.decode()
+            break
+    return uuid.uuid4().hex
+
+
+class ProxyEndpoint:
+    """ASGI app for one proxied endpoint."""
+
+    def __init__(self, gateway: Gateway, path: str, required: tuple[str, ...]) -> None:
+        self.gw = gateway
+        self.path = path
+        self.required = required
+        self.limit = gateway.config.proxy.max_body_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        started = time.perf_counter()
+        headers = scope["headers"]
+        request_id = request_id_from(headers)
+        try:
+            self.gw.auth.check_client(headers)
+            body = await self._read_body(headers, receive)
+            payload = self._parse(body)
+            model = payload.get("model")
+            if model is None:
+                model = self.gw.single_model()
+                if model is None:
+                    raise errors.bad_request("you must provide a model parameter", "model", "missing_required_field")
+            elif not isinstance(model, str) or not model:
+                raise errors.bad_request("model must be a non-empty string", "model")
+        except GatewayError as e:
+            self.gw.metrics.requests.labels("", "none", str(e.status)).inc()
+            log.info("%s rejected: %d %s", self.path, e.status, e.code,
+                     extra={"request_id": request_id, "status": e.status, "outcome": e.code})
+            await send_error(send, e, request_id)
+            return
+        session = None
+        for k, v in headers:
+            if k == b"x-session-id":
+                session = v.decode("latin-1")
+        call = Call(
+            path=self.path, body=body, model=model, stream=payload.get("stream") is True,
+            request_id=request_id, headers=client_headers(headers), started=started,
+            route=RouteRequest(model=model, request_id=request_id, endpoint=self.path, session_id=session),
+        )
+        await self.gw.forwarder(call, receive, send)
+
+    async def _read_body(self, headers: list[tuple[bytes, bytes]], receive: Any) -> bytes:
+        for k, v in headers:
+            if k == b"content-length":
+                try:
+                    if int(v) > self.limit:
+                        raise errors.too_large(self.limit)
+                except ValueError:
+                    raise errors.bad_request("invalid Content-Length header") from None
+        chunks = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise errors.bad_request("client disconnected while sending the body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                raise errors.too_large(self.limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _parse(self, body: bytes) -> dict[str, Any]:
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise errors.bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(payload, dict):
+            raise errors.bad_request("the request body must be a JSON object", code="invalid_json")
+        if not any(payload.get(f) not in (None, "", []) for f in self.required):
+            name = self.required[0]
+            raise errors.bad_request(f"the field `{name}` is required", name, "missing_required_field")
+        if self.path == "/v1/chat/completions" and not isinstance(payload["messages"], list):
+            raise errors.bad_request("`messages` must be a list", "messages")
+        return payload
+
+
+def _json_error(e: GatewayError, request_id: str | None = None) -> Response:
+    headers = dict(e.headers)
+    if request_id:
+        headers["x-request-id"] = request_id
+    return Response(e.body(), status_code=e.status, media_type="application/json", headers=headers)
+
+
+def build_app(config: RouterConfig) -> FastAPI:
+    gw = Gateway(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gw.pool.start()
+        log.info("kvroute %s routing with %s over %d replica(s)", __version__, config.policy, len(config.replicas))
+        try:
+            yield
+        finally:
+            await gw.pool.stop()
+
+    app = FastAPI(title="kvroute", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.gateway = gw
+
+    for path, required in PROXIED.items():
+        app.router.routes.append(Route(path, ProxyEndpoint(gw, path, required), methods=["POST"]))
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, e: GatewayError) -> Response:
+        return _json_error(e, request.headers.get("x-request-id"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        err = GatewayError(e.status_code, str(e.detail), kind, "not_found" if e.status_code == 404 else "bad_request")
+        return _json_error(err)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        n = sum(1 for r in gw.pool if r.ready and not r.drained)
+        if n == 0:
+            return _json_error(errors.no_ready_replica(None))
+        return JSONResponse({"status": "ready", "ready_replicas": n})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        gw.auth.check_client(request.scope["headers"])
+        return JSONResponse({"object": "list", "data": list(gw.pool.ready_models().values())})
+
+    def _admin(request: Request) -> None:
+        client = request.scope.get("client")
+        gw.auth.check_admin(request.scope["headers"], client[0] if client else None)
+
+    def _replica(name: str):
+        r = gw.pool.get(name)
+        if r is None:
+            raise errors.not_found(f"no replica named {name!r}")
+        return r
+
+    @app.get("/admin/replicas")
+    async def admin_replicas(request: Request) -> Response:
+        _admin(request)
+        return JSONResponse({
+            "policy": gw.policy.name,
+            "queue_length": gw.admission.queue_length,
+            "replicas": [r.describe() for r in gw.pool],
+        })
+
+    @app.post("/admin/replicas/{name}/drain")
+    async def admin_drain(name: str, request: Request) -> Response:
+        _admin(request)
+        r = _replica(name)
+        gw.pool.set_drained(r, True)
+        return JSONResponse(r.describe())
+
+    @app.post("/admin/replicas/{name}/undrain")
+    async def admin_undrain(name: str, request: Request) -> Response:
+        _admin(request)
+        r = _replica(name)
+        gw.pool.set_drained(r, False)
+        return JSONResponse(r.describe())
+
+    return app

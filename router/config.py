@@ -1,0 +1,281 @@
+"""The gateway's one configuration object.
+
+Sources, later ones winning: built-in defaults < YAML file (``--config``) < environment
+(``KVROUTE_*``) < command-line flags. Every value is validated once, at start-up, and an
+invalid one stops the gateway with a message naming the field.
+
+Environment variables map onto fields by name: ``KVROUTE_PORT`` is ``port``,
+``KVROUTE_PROXY__STREAM_IDLE_TIMEOUT_S`` is ``proxy.stream_idle_timeout_s``. List fields take
+comma-separated values; ``KVROUTE_REPLICAS`` takes ``URL`` or ``NAME=URL`` items.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+Platform = Literal["gaudi2", "gaudi3", "aurora-pvc", "cuda", "cpu"]
+POLICIES = ("least-loaded", "round-robin")
+
+
+@dataclass(frozen=True)
+class PlatformProfile:
+    """What a platform implies when a replica's config does not say.
+
+    ``block_size`` is vLLM's KV block size in tokens there (the replica's ``/metrics`` wins once
+    scraped). ``device_speed`` is the relative throughput of one device (one Gaudi 2 card = 1.0);
+    only ratios between replicas matter.
+    """
+
+    block_size: int
+    device_speed: float
+
+
+PLATFORMS: dict[str, PlatformProfile] = {
+    "gaudi2": PlatformProfile(block_size=128, device_speed=1.0),
+    "gaudi3": PlatformProfile(block_size=128, device_speed=1.8),
+    "aurora-pvc": PlatformProfile(block_size=16, device_speed=0.5),  # one PVC tile
+    "cuda": PlatformProfile(block_size=16, device_speed=1.0),
+    "cpu": PlatformProfile(block_size=128, device_speed=0.02),
+}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ReplicaConfig(_Model):
+    """One vLLM replica (one engine, possibly spanning a tensor/pipeline-parallel group)."""
+
+    name: str = Field("", description="unique name; defaults to host:port of the url")
+    url: str = Field(..., description="base URL of the replica's OpenAI server, e.g. http://10.0.0.5:8000")
+    models: list[str] = Field(default_factory=list, description="served model names; empty = discover from /v1/models")
+    platform: Platform = Field("cuda", description="gaudi2, gaudi3, aurora-pvc, cuda or cpu")
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    pipeline_parallel_size: int = Field(1, ge=1, le=64)
+    max_num_seqs: int = Field(256, ge=1, description="vLLM's --max-num-seqs: the most requests kept in flight on it")
+    speed: float | None = Field(None, gt=0, description="relative throughput; default: device_speed(platform) x TP x PP")
+    api_key: SecretStr | None = Field(None, description="bearer token sent to this replica")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if parts.query or parts.fragment:
+            raise ValueError("must not carry a query or fragment")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _default_name(self) -> "ReplicaConfig":
+        if not self.name:
+            parts = urlsplit(self.url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            object.__setattr__(self, "name", f"{parts.hostname}:{port}")
+        return self
+
+    @property
+    def relative_speed(self) -> float:
+        if self.speed is not None:
+            return self.speed
+        return PLATFORMS[self.platform].device_speed * self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def capacity(self) -> float:
+        """Load normaliser: grows with the batch limit and with the parallel group's speed."""
+        return self.max_num_seqs * self.relative_speed
+
+
+class HealthConfig(_Model):
+    interval_s: float = Field(1.0, gt=0, description="seconds between health checks of a replica")
+    timeout_s: float = Field(2.0, gt=0, description="timeout of one health check")
+    fail_threshold: int = Field(2, ge=1, description="consecutive failed checks that make a ready replica unready")
+    rise_threshold: int = Field(2, ge=1, description="consecutive good checks that bring an ejected replica back")
+    metrics_interval_s: float = Field(1.0, gt=0, description="seconds between scrapes of a replica's /metrics")
+
+
+class ProxyConfig(_Model):
+    connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect timeout to a replica")
+    request_timeout_s: float = Field(600.0, gt=0, description="longest wait for a non-streaming response")
+    stream_idle_timeout_s: float = Field(60.0, gt=0, description="a stream silent this long is ended with an SSE error event")
+    max_attempts: int = Field(3, ge=1, le=10, description="replicas tried per request (connection errors, 5xx, 429)")
+    retry_backoff_s: float = Field(0.02, ge=0, description="base backoff between attempts (doubles each time, with jitter)")
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
+    max_connections_per_replica: int = Field(1024, ge=1, description="pooled upstream connections per replica")
+
+
+class QueueConfig(_Model):
+    max_size: int = Field(1024, ge=0, description="requests that may wait when every replica is at capacity")
+    timeout_s: float = Field(30.0, ge=0, description="longest wait in the queue before 429")
+
+
+class AuthConfig(_Model):
+    api_keys: list[SecretStr] = Field(default_factory=list, description="client bearer keys; empty = no client auth")
+    admin_key: SecretStr | None = Field(None, description="bearer key for /admin; unset = /admin from loopback only")
+
+
+class LogConfig(_Model):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    json_format: bool = Field(False, alias="json", description="one JSON object per line")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+
+
+class RouterConfig(_Model):
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535)
+    policy: str = Field("least-loaded", description="routing policy: " + ", ".join(POLICIES))
+    replicas: list[ReplicaConfig] = Field(default_factory=list)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight streams may finish")
+
+    @field_validator("policy")
+    @classmethod
+    def _check_policy(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}; choose one of: {', '.join(POLICIES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "RouterConfig":
+        seen: set[str] = set()
+        for r in self.replicas:
+            if r.name in seen:
+                raise ValueError(f"replica name {r.name!r} is used twice")
+            seen.add(r.name)
+        return self
+
+
+class ConfigError(Exception):
+    """Raised with a message that names each invalid field."""
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(config)"
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+        if "api_key" in loc or "admin_key" in loc:
+            shown = ""
+        lines.append(f"  {loc}: {msg}{shown}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def parse_replica_spec(spec: str) -> dict[str, Any]:
+    """``URL`` or ``NAME=URL``, as accepted by ``--replica`` and ``KVROUTE_REPLICAS``."""
+    spec = spec.strip()
+    name, sep, url = spec.partition("=")
+    if sep and "://" not in name:
+        return {"name": name, "url": url}
+    return {"url": spec}
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+_LIST_FIELDS = {("auth", "api_keys")}
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Map ``KVROUTE_*`` variables onto the nested config dict."""
+    out: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith("KVROUTE_"):
+            continue
+        path = tuple(p.lower() for p in key[len("KVROUTE_"):].split("__"))
+        if path == ("config",):
+            continue
+        if path == ("replicas",):
+            out["replicas"] = [parse_replica_spec(s) for s in value.split(",") if s.strip()]
+            continue
+        if path == ("api_keys",) or path == ("admin_key",):  # short forms
+            path = ("auth",) + path
+        parsed: Any = [s for s in value.split(",") if s] if path in _LIST_FIELDS else value
+        node = out
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = parsed
+    return out
+
+
+def set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> RouterConfig:
+    """Build the configuration from a YAML file, the environment and flag overrides."""
+    environ = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    path = path or environ.get("KVROUTE_CONFIG")
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: the top level must be a mapping")
+        data = loaded
+    data = _deep_merge(data, env_overrides(environ))
+    if overrides:
+        data = _deep_merge(data, overrides)
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e)) from None
+
+
+def reference() -> str:
+    """The configuration reference (field, default, meaning), generated from the models."""
+    rows: list[str] = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            key = field.alias or name
+            ann = field.annotation
+            sub = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+            if sub is not None:
+                walk(sub, f"{prefix}{key}.")
+                continue
+            if name == "replicas":
+                walk(ReplicaConfig, f"{prefix}replicas[].")
+                continue
+            default = field.get_default(call_default_factory=True)
+            if isinstance(default, SecretStr):
+                default = "***"
+            shown = "required" if field.is_required() else repr(default)
+            rows.append(f"| `{prefix}{key}` | {shown} | {field.description or ''} |")
+
+    walk(RouterConfig, "")
+    return "| field | default | meaning |\n|---|---|---|\n" + "\n".join(rows)

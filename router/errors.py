@@ -1,0 +1,80 @@
+"""Errors the gateway itself produces, always as an OpenAI-shaped JSON body."""
+
+from __future__ import annotations
+
+import json
+
+
+class GatewayError(Exception):
+    """An error answered by the router, not by a replica."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str,
+        code: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(message: str, type: str, code: str | int | None, param: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": type, "param": param, "code": code}},
+                      separators=(",", ":")).encode()
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> GatewayError:
+    return GatewayError(400, message, "invalid_request_error", code, param)
+
+
+def unauthorized(message: str = "missing or invalid API key") -> GatewayError:
+    return GatewayError(401, message, "authentication_error", "invalid_api_key",
+                        headers={"www-authenticate": "Bearer"})
+
+
+def forbidden(message: str) -> GatewayError:
+    return GatewayError(403, message, "permission_error", "forbidden")
+
+
+def model_not_found(model: str) -> GatewayError:
+    return GatewayError(404, f"The model `{model}` does not exist.", "not_found_error", "model_not_found", "model")
+
+
+def not_found(message: str) -> GatewayError:
+    return GatewayError(404, message, "not_found_error", "not_found")
+
+
+def too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"request body is larger than {limit} bytes", "invalid_request_error",
+                        "request_too_large")
+
+
+def queue_full(retry_after: float, why: str) -> GatewayError:
+    secs = max(1, int(retry_after + 0.999))
+    return GatewayError(429, f"every replica is at capacity ({why}); retry later", "rate_limit_error",
+                        "router_queue_" + why.replace(" ", "_"), headers={"retry-after": str(secs)})
+
+
+def no_ready_replica(model: str | None) -> GatewayError:
+    what = f" for model `{model}`" if model else ""
+    return GatewayError(503, f"no ready replica{what}", "service_unavailable_error", "no_ready_replica",
+                        headers={"retry-after": "1"})
+
+
+def upstream_failed(message: str) -> GatewayError:
+    return GatewayError(502, message, "upstream_error", "upstream_unavailable")
+
+
+def upstream_timeout(message: str) -> GatewayError:
+    return GatewayError(504, message, "upstream_error", "upstream_timeout")

@@ -1,0 +1,57 @@
+"""The gateway's own Prometheus metrics, all prefixed ``kvroute_``."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Buckets for time to first byte and end-to-end latency: from a cached-prefix hit (ms) to long
+# generations (minutes).
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    """One registry per gateway instance, so several can live in one process (tests, embedding)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvroute_requests", "Requests answered, by model, replica ('none' if the router answered) and HTTP status.",
+            ["model", "replica", "status"], registry=r)
+        self.ttfb = Histogram(
+            "kvroute_time_to_first_byte_seconds", "From request arrival to the first response byte sent on.",
+            ["replica"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram(
+            "kvroute_request_duration_seconds", "From request arrival to the last response byte.",
+            ["replica"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.inflight = Gauge(
+            "kvroute_inflight_requests", "Requests this router has in flight on each replica.", ["replica"], registry=r)
+        self.retries = Counter(
+            "kvroute_retries", "Requests sent again to another replica, by the reason of the failed attempt.",
+            ["reason"], registry=r)
+        self.upstream_errors = Counter(
+            "kvroute_upstream_errors", "Failures talking to a replica, by kind.", ["replica", "kind"], registry=r)
+        self.queue_length = Gauge(
+            "kvroute_queue_length", "Requests waiting for a replica with free capacity.", registry=r)
+        self.queue_wait = Histogram(
+            "kvroute_queue_wait_seconds", "Time requests waited in the router queue (admitted or not).",
+            buckets=_QUEUE_BUCKETS, registry=r)
+        self.queue_rejected = Counter(
+            "kvroute_queue_rejected", "Requests refused with 429 because the queue was full or the wait too long.",
+            ["reason"], registry=r)
+        self.replica_ready = Gauge(
+            "kvroute_replica_ready", "1 if the replica is ready to take requests.", ["replica"], registry=r)
+        self.replica_draining = Gauge(
+            "kvroute_replica_draining", "1 if the replica is drained by an operator.", ["replica"], registry=r)
+        self.replica_restarts = Counter(
+            "kvroute_replica_restarts", "Replica restarts seen (new process start time or counter reset).",
+            ["replica"], registry=r)
+        self.replica_engine_load = Gauge(
+            "kvroute_replica_engine_requests", "Running plus waiting requests reported by the replica's /metrics.",
+            ["replica"], registry=r)
+        self.replica_kv_usage = Gauge(
+            "kvroute_replica_kv_cache_usage", "KV cache usage (0..1) reported by the replica's /metrics.",
+            ["replica"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

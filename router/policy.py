@@ -1,0 +1,169 @@
+"""The routing stage: filters narrow the replicas, scorers rate the rest, a picker chooses.
+
+Every filter, scorer and picker is a small object that can be tested on its own; a policy is
+just an ordered list of filters, weighted scorers and a picker. The score of a replica is
+``sum(weight * scorer(replica))`` with every scorer in [0, 1]; ties are broken at random, so
+equally good replicas share cold traffic instead of the first one in the list taking it all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Protocol, Sequence
+
+from .pool import Replica
+
+# Why a filter left no replica: each maps to a different answer to the client.
+Empty = Literal["no_ready", "unknown_model", "drained", "tried", "at_capacity"]
+
+
+@dataclass
+class RouteRequest:
+    """What the routing stage knows of a request."""
+
+    model: str | None
+    request_id: str
+    endpoint: str
+    session_id: str | None = None
+    exclude: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Decision:
+    replica: Replica
+    reason: str
+    score: float
+
+
+class NoCandidate(Exception):
+    def __init__(self, why: Empty) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+# -- filters -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Filter:
+    name: str
+    keep: Callable[[RouteRequest, Replica], bool]
+    when_empty: Empty
+
+    def __call__(self, req: RouteRequest, replicas: Sequence[Replica]) -> list[Replica]:
+        keep = self.keep
+        return [r for r in replicas if keep(req, r)]
+
+
+READY = Filter("ready", lambda req, r: r.ready, "no_ready")
+SERVES_MODEL = Filter("serves-model", lambda req, r: req.model is None or req.model in r.models, "unknown_model")
+NOT_DRAINED = Filter("not-drained", lambda req, r: not r.drained, "drained")
+NOT_TRIED = Filter("not-tried", lambda req, r: r.name not in req.exclude, "tried")
+BELOW_CAPACITY = Filter("below-capacity", lambda req, r: r.inflight < r.slots, "at_capacity")
+
+DEFAULT_FILTERS: tuple[Filter, ...] = (READY, SERVES_MODEL, NOT_DRAINED, NOT_TRIED, BELOW_CAPACITY)
+
+
+# -- scorers -------------------------------------------------------------------------------
+
+
+class Scorer(Protocol):
+    name: str
+
+    def __call__(self, req: RouteRequest, replica: Replica) -> float:
+        """A rating in [0, 1]; higher is better."""
+        ...
+
+
+class LoadScorer:
+    """Prefers the replica with the lowest load relative to its capacity.
+
+    Load is this router's in-flight requests plus the other traffic the replica reported at the
+    last scrape; capacity grows with ``max_num_seqs`` and the speed of the parallel group.
+    """
+
+    name = "load"
+
+    def __call__(self, req: RouteRequest, replica: Replica) -> float:
+        return 1.0 / (1.0 + replica.load / replica.capacity)
+
+
+# -- pickers -------------------------------------------------------------------------------
+
+
+class Picker(Protocol):
+    name: str
+
+    def __call__(self, req: RouteRequest, scored: list[tuple[Replica, float]]) -> tuple[Replica, float]: ...
+
+
+class MaxScorePicker:
+    """The best score wins; equal best scores are broken at random."""
+
+    name = "max-score"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def __call__(self, req: RouteRequest, scored: list[tuple[Replica, float]]) -> tuple[Replica, float]:
+        best = max(s for _, s in scored)
+        top = [pair for pair in scored if best - pair[1] <= 1e-12]
+        return top[0] if len(top) == 1 else self._rng.choice(top)
+
+
+class RoundRobinPicker:
+    """Takes the candidates in turn, whatever their scores."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def __call__(self, req: RouteRequest, scored: list[tuple[Replica, float]]) -> tuple[Replica, float]:
+        ordered = sorted(scored, key=lambda pair: pair[0].name)
+        return ordered[next(self._turn) % len(ordered)]
+
+
+# -- policies ------------------------------------------------------------------------------
+
+
+class Policy:
+    def __init__(
+        self,
+        name: str,
+        scorers: Sequence[tuple[Scorer, float]],
+        picker: Picker,
+        filters: Sequence[Filter] = DEFAULT_FILTERS,
+    ) -> None:
+        self.name = name
+        self.filters = tuple(filters)
+        self.scorers = tuple(scorers)
+        self.picker = picker
+
+    def candidates(self, req: RouteRequest, replicas: Sequence[Replica]) -> list[Replica]:
+        """Run the filters; raise :class:`NoCandidate` naming the first one that left nobody."""
+        current = list(replicas)
+        for f in self.filters:
+            current = f(req, current)
+            if not current:
+                raise NoCandidate(f.when_empty)
+        return current
+
+    def score(self, req: RouteRequest, replica: Replica) -> float:
+        return sum(w * s(req, replica) for s, w in self.scorers)
+
+    def choose(self, req: RouteRequest, replicas: Sequence[Replica]) -> Decision:
+        cands = self.candidates(req, replicas)
+        scored = [(r, self.score(req, r)) for r in cands]
+        replica, score = self.picker(req, scored)
+        return Decision(replica, self.name, score)
+
+
+def build_policy(name: str) -> Policy:
+    if name == "least-loaded":
+        return Policy(name, [(LoadScorer(), 1.0)], MaxScorePicker())
+    if name == "round-robin":
+        return Policy(name, [], RoundRobinPicker())
+    raise ValueError(f"unknown policy {name!r}")

@@ -1,0 +1,290 @@
+"""The replica pool: who is there, who is ready, how loaded each one is.
+
+Background tasks check each replica's ``/health`` (then ``/v1/models``) and scrape its
+``/metrics``. A replica becomes ready at its first good answer, is ejected after
+``health.fail_threshold`` consecutive failures (at once when the connection is refused), and
+returns after ``health.rise_threshold`` consecutive good checks. A change of the replica's
+process start time (or a counter going backwards) means it restarted with an empty KV cache:
+the pool publishes :class:`~router.events.ReplicaRestarted`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Literal
+
+import httpx
+
+from .config import HealthConfig, PLATFORMS, ProxyConfig, ReplicaConfig
+from .events import EventBus, ReplicaReady, ReplicaRestarted, ReplicaUnready
+from .metrics import Metrics
+from .replica_metrics import ReplicaStats, parse_metrics
+
+log = logging.getLogger("kvroute.pool")
+
+State = Literal["starting", "ready", "unready"]
+
+
+class Replica:
+    """A replica's configuration and the router's live view of it."""
+
+    def __init__(self, config: ReplicaConfig, client: httpx.AsyncClient, metrics: Metrics) -> None:
+        self.config = config
+        self.name = config.name
+        self.url = config.url
+        self.client = client
+        self.state: State = "starting"
+        self.drained = False
+        self.inflight = 0
+        self.model_cards: dict[str, dict[str, Any]] = {}
+        self.models: frozenset[str] = frozenset(config.models)
+        self.stats: ReplicaStats | None = None
+        self.stats_at: float | None = None
+        self.external_load = 0.0
+        self.fails = 0
+        self.successes = 0
+        self.last_error: str | None = None
+        self.restarts = 0
+        self.upstream_headers = {"authorization": f"Bearer {config.api_key.get_secret_value()}"} if config.api_key else {}
+        # metric children resolved once, not per request
+        self.m_inflight = metrics.inflight.labels(self.name)
+        self.m_ttfb = metrics.ttfb.labels(self.name)
+        self.m_latency = metrics.latency.labels(self.name)
+        self.m_ready = metrics.replica_ready.labels(self.name)
+        self.m_ready.set(0)
+        metrics.replica_draining.labels(self.name).set(0)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def slots(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
+    def capacity(self) -> float:
+        return self.config.capacity
+
+    @property
+    def load(self) -> float:
+        """This router's in-flight requests plus what other clients had running there at the last scrape."""
+        return self.inflight + self.external_load
+
+    @property
+    def block_size(self) -> int:
+        if self.stats and self.stats.block_size:
+            return self.stats.block_size
+        return PLATFORMS[self.config.platform].block_size
+
+    def describe(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "name": self.name,
+            "url": self.url,
+            "state": self.state,
+            "ready": self.ready,
+            "drained": self.drained,
+            "models": sorted(self.models),
+            "platform": self.config.platform,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "pipeline_parallel_size": self.config.pipeline_parallel_size,
+            "max_num_seqs": self.slots,
+            "capacity": self.capacity,
+            "inflight": self.inflight,
+            "external_load": self.external_load,
+            "load": self.load,
+            "block_size": self.block_size,
+            "num_gpu_blocks": s.num_gpu_blocks if s else None,
+            "engine": None if s is None else {
+                "running": s.running,
+                "waiting": s.waiting,
+                "kv_cache_usage": s.kv_usage,
+                "prefix_cache_hits": s.prefix_hits,
+                "prefix_cache_queries": s.prefix_queries,
+                "start_time": s.start_time,
+                "scraped_at": self.stats_at,
+            },
+            "consecutive_failures": self.fails,
+            "last_error": self.last_error,
+            "restarts": self.restarts,
+        }
+
+
+class ReplicaPool:
+    def __init__(
+        self,
+        configs: list[ReplicaConfig],
+        health: HealthConfig,
+        proxy: ProxyConfig,
+        metrics: Metrics,
+        events: EventBus | None = None,
+    ) -> None:
+        self.health = health
+        self.metrics = metrics
+        self.events = events or EventBus()
+        self._control = httpx.AsyncClient(
+            timeout=httpx.Timeout(health.timeout_s, connect=min(health.timeout_s, proxy.connect_timeout_s)),
+            limits=httpx.Limits(max_connections=max(4, 2 * len(configs)), max_keepalive_connections=2 * len(configs)),
+            headers={"user-agent": "kvroute-health"},
+        )
+        self.replicas: dict[str, Replica] = {}
+        for cfg in configs:
+            client = httpx.AsyncClient(
+                base_url=cfg.url,
+                timeout=httpx.Timeout(proxy.request_timeout_s, connect=proxy.connect_timeout_s),
+                limits=httpx.Limits(
+                    max_connections=proxy.max_connections_per_replica,
+                    max_keepalive_connections=proxy.max_connections_per_replica,
+                    keepalive_expiry=30,
+                ),
+                headers={"user-agent": "kvroute"},
+            )
+            self.replicas[cfg.name] = Replica(cfg, client, metrics)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for r in self.replicas.values():
+            self._tasks.append(asyncio.create_task(self._health_loop(r), name=f"health:{r.name}"))
+            self._tasks.append(asyncio.create_task(self._metrics_loop(r), name=f"metrics:{r.name}"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self._control.aclose()
+        for r in self.replicas.values():
+            await r.client.aclose()
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def __iter__(self):
+        return iter(self.replicas.values())
+
+    def get(self, name: str) -> Replica | None:
+        return self.replicas.get(name)
+
+    def ready_models(self) -> dict[str, dict[str, Any]]:
+        """Model id -> model card, over the ready replicas."""
+        out: dict[str, dict[str, Any]] = {}
+        for r in self.replicas.values():
+            if not r.ready:
+                continue
+            for model in sorted(r.models):
+                out.setdefault(model, r.model_cards.get(model) or {
+                    "id": model, "object": "model", "created": 0, "owned_by": "vllm"})
+        return out
+
+    # -- state changes (also driven by the proxy on connection errors) ---------------------
+
+    def mark_failure(self, r: Replica, reason: str, immediate: bool = False) -> None:
+        r.successes = 0
+        r.fails += 1
+        r.last_error = reason
+        # a replica that never answered stays "starting" (Gaudi warm-up takes minutes)
+        if r.state != "ready" or (not immediate and r.fails < self.health.fail_threshold):
+            return
+        r.state = "unready"
+        r.m_ready.set(0)
+        log.warning("replica %s is unready: %s", r.name, reason, extra={"replica": r.name})
+        self.events.publish(ReplicaUnready(r.name, reason))
+
+    def mark_success(self, r: Replica) -> None:
+        r.fails = 0
+        r.successes += 1
+        r.last_error = None
+        if r.state == "starting" or (r.state == "unready" and r.successes >= self.health.rise_threshold):
+            # a replica seen down and back may be a new process: its /metrics start time tells
+            r.state = "ready"
+            r.m_ready.set(1)
+            log.info("replica %s is ready (models: %s)", r.name, ", ".join(sorted(r.models)) or "-",
+                     extra={"replica": r.name})
+            self.events.publish(ReplicaReady(r.name))
+
+    def set_drained(self, r: Replica, drained: bool) -> None:
+        r.drained = drained
+        self.metrics.replica_draining.labels(r.name).set(1 if drained else 0)
+        log.info("replica %s %s", r.name, "drained" if drained else "undrained", extra={"replica": r.name})
+        if not drained:
+            self.events.publish(ReplicaReady(r.name))
+
+    # -- background checks -----------------------------------------------------------------
+
+    async def check(self, r: Replica) -> None:
+        """One health check: /health, then /v1/models."""
+        try:
+            resp = await self._control.get(r.url + "/health", headers=r.upstream_headers)
+            if resp.status_code != 200:
+                self.mark_failure(r, f"/health answered {resp.status_code}")
+                return
+            resp = await self._control.get(r.url + "/v1/models", headers=r.upstream_headers)
+            if resp.status_code != 200:
+                self.mark_failure(r, f"/v1/models answered {resp.status_code}")
+                return
+            self._set_models(r, resp.json())
+        except httpx.ConnectError as e:
+            self.mark_failure(r, f"connection failed: {e.__class__.__name__}", immediate=True)
+            return
+        except (httpx.HTTPError, ValueError) as e:
+            self.mark_failure(r, f"health check failed: {e.__class__.__name__}")
+            return
+        self.mark_success(r)
+
+    def _set_models(self, r: Replica, payload: Any) -> None:
+        cards = {}
+        for card in (payload or {}).get("data", []) if isinstance(payload, dict) else []:
+            if isinstance(card, dict) and isinstance(card.get("id"), str):
+                cards[card["id"]] = card
+        r.model_cards = cards
+        if not r.config.models:
+            r.models = frozenset(cards)
+
+    async def scrape(self, r: Replica) -> None:
+        """One scrape of /metrics: engine load, KV usage and size, restarts."""
+        try:
+            resp = await self._control.get(r.url + "/metrics", headers=r.upstream_headers)
+        except httpx.HTTPError:
+            return  # health checks own the verdict on reachability
+        if resp.status_code != 200:
+            return
+        inflight_now = r.inflight
+        stats = parse_metrics(resp.text)
+        prev = r.stats
+        if prev is not None and self._restarted(prev, stats):
+            r.restarts += 1
+            self.metrics.replica_restarts.labels(r.name).inc()
+            log.warning("replica %s restarted (its KV cache is empty)", r.name, extra={"replica": r.name})
+            self.events.publish(ReplicaRestarted(r.name, prev.start_time, stats.start_time))
+        r.stats = stats
+        r.stats_at = time.time()
+        r.external_load = max(0.0, stats.running + stats.waiting - inflight_now)
+        self.metrics.replica_engine_load.labels(r.name).set(stats.running + stats.waiting)
+        self.metrics.replica_kv_usage.labels(r.name).set(stats.kv_usage)
+
+    @staticmethod
+    def _restarted(prev: ReplicaStats, cur: ReplicaStats) -> bool:
+        if prev.start_time is not None and cur.start_time is not None and cur.start_time != prev.start_time:
+            return True
+        return cur.prefix_queries < prev.prefix_queries  # a counter only goes back when the process is new
+
+    async def _health_loop(self, r: Replica) -> None:
+        while True:
+            try:
+                await self.check(r)
+            except Exception:  # keep checking whatever happens
+                log.exception("health check of %s crashed", r.name)
+            await asyncio.sleep(self.health.interval_s)
+
+    async def _metrics_loop(self, r: Replica) -> None:
+        while True:
+            if r.state != "unready":
+                try:
+                    await self.scrape(r)
+                except Exception:
+                    log.exception("metrics scrape of %s crashed", r.name)
+            await asyncio.sleep(self.health.metrics_interval_s)

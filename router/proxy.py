@@ -1,0 +1,297 @@
+"""Forwarding: send a request to the chosen replica and relay its answer byte for byte.
+
+Attempts: a connection error, a timeout before the response started, or a 5xx/429 answer is
+tried again on another replica (never the same one twice, at most ``proxy.max_attempts``
+replicas, short jittered backoff). A 4xx is the client's problem: it is passed through and
+never retried. Once the first byte went to the client the answer is committed: a stream that
+breaks or stays silent longer than ``proxy.stream_idle_timeout_s`` is ended with an SSE error
+event. When the client disconnects, the upstream request is closed at once, which makes vLLM
+abort it and free its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from . import errors
+from .admission import Admission
+from .config import ProxyConfig
+from .errors import GatewayError
+from .metrics import Metrics
+from .policy import NoCandidate, RouteRequest
+from .pool import Replica, ReplicaPool
+
+log = logging.getLogger("kvroute.proxy")
+
+# Request headers a client may pass on to a replica (credentials never: they come from config).
+_FORWARD_REQUEST_HEADERS = ("content-type", "accept", "accept-encoding", "traceparent", "tracestate",
+                            "x-session-id", "openai-organization", "openai-project")
+# Response headers that describe one hop only.
+_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+                         b"proxy-authenticate", b"proxy-connection", b"date", b"server", b"x-request-id"})
+_MAX_ERROR_BODY = 64 * 1024
+
+
+@dataclass
+class Call:
+    """One client request on its way through the gateway."""
+
+    path: str
+    body: bytes
+    model: str | None
+    stream: bool
+    request_id: str
+    headers: dict[str, str]
+    started: float
+    route: RouteRequest
+    attempts: int = 0
+    outcome: str = "ok"
+    replica: str = "none"
+    status: int = 0
+    ttfb: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Failure:
+    """The latest failed attempt, answered to the client if no attempt succeeds."""
+
+    replica: Replica
+    kind: str
+    status: int | None = None
+    headers: list[tuple[bytes, bytes]] | None = None
+    body: bytes = b""
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def client_headers(scope_headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    out = {}
+    for k, v in scope_headers:
+        name = k.decode("latin-1")
+        if name in _FORWARD_REQUEST_HEADERS:
+            out[name] = v.decode("latin-1")
+    out.setdefault("accept-encoding", "identity")
+    return out
+
+
+class Forwarder:
+    def __init__(self, pool: ReplicaPool, admission: Admission, cfg: ProxyConfig, metrics: Metrics) -> None:
+        self.pool = pool
+        self.admission = admission
+        self.cfg = cfg
+        self.metrics = metrics
+        self._stream_timeout = httpx.Timeout(cfg.stream_idle_timeout_s, connect=cfg.connect_timeout_s)
+        self._plain_timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+
+    async def __call__(self, call: Call, receive: Any, send: Any) -> None:
+        """Serve ``call`` on the ASGI connection; returns once the client has its whole answer or left."""
+        task = asyncio.current_task()
+        assert task is not None
+        state = {"done": False, "gone": False}
+
+        async def watch_disconnect() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if not state["done"]:
+                        state["gone"] = True
+                        task.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch_disconnect())
+        try:
+            await self._serve(call, send, state)
+        except GatewayError as e:
+            call.status = e.status
+            call.outcome = e.code
+            if e.status not in (502, 504):  # those name the last replica tried
+                call.replica = "none"
+            await send_error(send, e, call.request_id)
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            task.uncancel()
+            call.outcome = "client_disconnected"
+            call.status = call.status or 499
+        finally:
+            state["done"] = True
+            watcher.cancel()
+            self._record(call)
+
+    async def _serve(self, call: Call, send: Any, state: dict[str, bool]) -> None:
+        failure: _Failure | None = None
+        while True:
+            try:
+                decision = await self.admission.admit(call.route)
+            except NoCandidate as e:
+                if failure is not None:
+                    return await self._give_up(call, send, failure)
+                raise self._no_candidate(call, e) from None
+            except GatewayError:
+                if failure is not None:  # no more free replicas to try: answer the last failure
+                    return await self._give_up(call, send, failure)
+                raise
+            replica = decision.replica
+            call.attempts += 1
+            call.replica = replica.name
+            try:
+                failure = await self._attempt(call, replica, send, state)
+            finally:
+                self.admission.release(replica)
+            if failure is None:
+                return
+            call.route.exclude.add(replica.name)
+            self.metrics.upstream_errors.labels(replica.name, failure.kind).inc()
+            if call.attempts >= self.cfg.max_attempts:
+                return await self._give_up(call, send, failure)
+            self.metrics.retries.labels(failure.kind).inc()
+            log.info("attempt %d on %s failed (%s); trying another replica", call.attempts, replica.name,
+                     failure.kind, extra={"request_id": call.request_id, "replica": replica.name})
+            backoff = self.cfg.retry_backoff_s * (2 ** (call.attempts - 1)) * random.uniform(0.5, 1.5)
+            if backoff:
+                await asyncio.sleep(backoff)
+
+    async def _attempt(self, call: Call, replica: Replica, send: Any, state: dict[str, bool]) -> _Failure | None:
+        """One try on one replica. Returns a failure that may be retried, or None once answered."""
+        headers = dict(call.headers)
+        headers["x-request-id"] = call.request_id
+        headers.update(replica.upstream_headers)
+        request = replica.client.build_request(
+            "POST", call.path, content=call.body, headers=headers,
+            timeout=self._stream_timeout if call.stream else self._plain_timeout)
+        try:
+            upstream = await replica.client.send(request, stream=True)
+        except httpx.ConnectError:
+            self.pool.mark_failure(replica, "connection refused by the proxy path", immediate=True)
+            return _Failure(replica, "connect")
+        except httpx.TimeoutException as e:
+            return _Failure(replica, "connect_timeout" if isinstance(e, httpx.ConnectTimeout) else "timeout")
+        except httpx.HTTPError:
+            return _Failure(replica, "protocol")
+        try:
+            status = upstream.status_code
+            if status >= 500 or status == 429:
+                try:
+                    body = await _read_capped(upstream)
+                except httpx.HTTPError:
+                    body = b""
+                kind = "status_429" if status == 429 else "status_5xx"
+                return _Failure(replica, kind, status, upstream.headers.raw, body)
+            await self._relay(call, replica, upstream, send)
+            return None
+        finally:
+            await upstream.aclose()
+
+    async def _relay(self, call: Call, replica: Replica, upstream: httpx.Response, send: Any) -> None:
+        call.status = upstream.status_code
+        sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        await send({"type": "http.response.start", "status": upstream.status_code,
+                    "headers": self._response_headers(call, replica, upstream.headers.raw)})
+        tail = b"\n\n"
+        try:
+            async for chunk in upstream.aiter_raw():
+                if not chunk:
+                    continue
+                if call.ttfb is None:
+                    call.ttfb = time.perf_counter() - call.started
+                    replica.m_ttfb.observe(call.ttfb)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                tail = chunk[-2:]
+        except httpx.ReadTimeout:
+            call.outcome = "stream_idle_timeout"
+            self.metrics.upstream_errors.labels(replica.name, "stream_idle_timeout").inc()
+            if not sse:
+                raise
+            await send({"type": "http.response.body", "more_body": False, "body": _sse_error(
+                tail, f"the replica sent nothing for {self.cfg.stream_idle_timeout_s:g} s", "timeout",
+                "stream_idle_timeout")})
+            return
+        except httpx.HTTPError as e:
+            call.outcome = "upstream_broke"
+            self.metrics.upstream_errors.labels(replica.name, "stream_broken").inc()
+            log.warning("stream from %s broke: %s", replica.name, e.__class__.__name__,
+                        extra={"request_id": call.request_id, "replica": replica.name})
+            if not sse:
+                raise
+            await send({"type": "http.response.body", "more_body": False, "body": _sse_error(
+                tail, "the replica ended the stream unexpectedly", "upstream_error", "upstream_disconnected")})
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _response_headers(self, call: Call, replica: Replica, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        out = [(k, v) for k, v in raw if k.lower() not in _HOP_BY_HOP]
+        out.append((b"x-request-id", call.request_id.encode("latin-1")))
+        out.append((b"x-kvroute-replica", replica.name.encode("latin-1")))
+        return out
+
+    async def _give_up(self, call: Call, send: Any, failure: _Failure) -> None:
+        """Every attempt failed: answer the last replica's error as it was, or our own."""
+        if failure.status is not None and failure.headers is not None:
+            call.status = failure.status
+            call.outcome = "upstream_error"
+            headers = [(k, v) for k, v in failure.headers if k.lower() not in _HOP_BY_HOP and k.lower() != b"content-length"]
+            headers += [(b"content-length", str(len(failure.body)).encode()),
+                        (b"x-request-id", call.request_id.encode("latin-1")),
+                        (b"x-kvroute-replica", failure.replica.name.encode("latin-1"))]
+            await send({"type": "http.response.start", "status": failure.status, "headers": headers})
+            await send({"type": "http.response.body", "body": failure.body})
+            return
+        if failure.kind in ("timeout", "connect_timeout"):
+            raise errors.upstream_timeout(f"replica {failure.replica.name} did not answer in time "
+                                          f"({call.attempts} attempt(s))")
+        raise errors.upstream_failed(f"no replica could be reached ({call.attempts} attempt(s), "
+                                     f"last: {failure.replica.name}, {failure.kind})")
+
+    def _no_candidate(self, call: Call, e: NoCandidate) -> GatewayError:
+        if e.why == "unknown_model":
+            configured = any(call.model in r.config.models for r in self.pool)
+            if not configured:
+                return errors.model_not_found(call.model or "")
+        return errors.no_ready_replica(call.model)
+
+    def _record(self, call: Call) -> None:
+        elapsed = time.perf_counter() - call.started
+        replica = self.pool.get(call.replica)
+        if replica is not None and call.attempts:
+            replica.m_latency.observe(elapsed)
+        self.metrics.requests.labels(call.model or "", call.replica, str(call.status)).inc()
+        log.info("%s %s -> %s %d %s", call.path, call.model, call.replica, call.status, call.outcome,
+                 extra={"request_id": call.request_id, "replica": call.replica, "model": call.model,
+                        "status": call.status, "outcome": call.outcome, "attempts": call.attempts,
+                        "ttfb_ms": None if call.ttfb is None else round(call.ttfb * 1e3, 2),
+                        "duration_ms": round(elapsed * 1e3, 2), "stream": call.stream})
+
+
+async def send_error(send: Any, e: GatewayError, request_id: str) -> None:
+    body = e.body()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"x-request-id", request_id.encode("latin-1"))]
+    headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in e.headers.items()]
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _read_capped(resp: httpx.Response) -> bytes:
+    buf = bytearray()
+    async for chunk in resp.aiter_raw():
+        buf += chunk
+        if len(buf) >= _MAX_ERROR_BODY:
+            break
+    return bytes(buf)
+
+
+def _sse_error(tail: bytes, message: str, type: str, code: str) -> bytes:
+    sep = b"" if tail.endswith(b"\n\n") else b"\n\n"
+    event = json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+    return sep + b"data: " + event + b"\n\ndata: [DONE]\n\n"
