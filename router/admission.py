@@ -80,6 +80,8 @@ class Admission:
 
     def _take(self, replica: Replica) -> None:
         replica.inflight += 1
+        if replica.inflight > replica.inflight_peak:
+            replica.inflight_peak = replica.inflight
         replica.m_inflight.inc()
 
     def _fits(self, req: RouteRequest, replica: Replica) -> bool:

@@ -64,9 +64,20 @@ def load(args: argparse.Namespace) -> RouterConfig:
 
 
 def serve(config: RouterConfig) -> int:
+    import contextlib
+
     import uvicorn
 
     from .api import build_app
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            with super().capture_signals():
+                yield
+                # the graceful stop is done: exit normally (status 0, logs flushed) instead of
+                # re-raising SIGTERM/SIGINT, which would kill the process before the log thread drains
+                self._captured_signals.clear()
 
     logs.setup(config.log.level, config.log.json_format)
     if not config.replicas:
@@ -76,12 +87,13 @@ def serve(config: RouterConfig) -> int:
         loop = "uvloop"
     except ImportError:  # pragma: no cover - platforms without uvloop
         loop = "asyncio"
-    server = uvicorn.Server(uvicorn.Config(
+    server = Server(uvicorn.Config(
         build_app(config), host=config.host, port=config.port, loop=loop, http="httptools",
         lifespan="on", log_config=None, access_log=False, server_header=False,
         timeout_graceful_shutdown=config.shutdown_grace_s, timeout_keep_alive=75, backlog=4096,
     ))
     server.run()
+    log.info("kvroute stopped")
     return 0
 
 

@@ -38,6 +38,7 @@ class Replica:
         self.state: State = "starting"
         self.drained = False
         self.inflight = 0
+        self.inflight_peak = 0  # highest in-flight count since the current scrape was sent
         self.model_cards: dict[str, dict[str, Any]] = {}
         self.models: frozenset[str] = frozenset(config.models)
         self.stats: ReplicaStats | None = None
@@ -246,13 +247,13 @@ class ReplicaPool:
 
     async def scrape(self, r: Replica) -> None:
         """One scrape of /metrics: engine load, KV usage and size, restarts."""
+        r.inflight_peak = r.inflight
         try:
             resp = await self._control.get(r.url + "/metrics", headers=r.upstream_headers)
         except httpx.HTTPError:
             return  # health checks own the verdict on reachability
         if resp.status_code != 200:
             return
-        inflight_now = r.inflight
         stats = parse_metrics(resp.text)
         prev = r.stats
         if prev is not None and self._restarted(prev, stats):
@@ -262,7 +263,10 @@ class ReplicaPool:
             self.events.publish(ReplicaRestarted(r.name, prev.start_time, stats.start_time))
         r.stats = stats
         r.stats_at = time.time()
-        r.external_load = max(0.0, stats.running + stats.waiting - inflight_now)
+        # The engine's count includes this router's requests. Any of them may have started or ended
+        # while the scrape was under way, so subtract the most this router had there meanwhile:
+        # what is left is load from other clients (other router instances, direct traffic).
+        r.external_load = max(0.0, stats.running + stats.waiting - r.inflight_peak)
         self.metrics.replica_engine_load.labels(r.name).set(stats.running + stats.waiting)
         self.metrics.replica_kv_usage.labels(r.name).set(stats.kv_usage)
 

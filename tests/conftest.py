@@ -1,0 +1,67 @@
+"""Fixtures that run real processes on 127.0.0.1: simulated vLLM replicas and kvroute routers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import yaml
+
+from loadtest.cluster import Proc, router, simulator
+
+# Fast by default: tests set slower timings where they need them.
+FAST = ("--ttft-ms", "2", "--itl-ms", "1")
+
+
+class Cluster:
+    """Processes started by one test; all stopped (by PID) at its end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[Proc] = []
+
+    def sim(self, *args: str, model: str = "tiny", port: int | None = None, name: str | None = None,
+            wait: bool = True) -> Proc:
+        p = simulator(port, model, *(args or FAST), log_dir=self.log_dir, name=name)
+        self.procs.append(p.start())
+        if wait:
+            p.wait_http()
+        return p
+
+    def router(self, replicas: list[Proc] | list[str], *args: str, config: dict | None = None,
+               env: dict[str, str] | None = None, wait_ready: bool = True) -> Proc:
+        urls = [r.url if isinstance(r, Proc) else r for r in replicas]
+        extra = list(args)
+        if config is not None:
+            path = self.log_dir / f"router-{len(self.procs)}.yaml"
+            path.write_text(yaml.safe_dump(config))
+            extra = ["--config", str(path), *extra]
+        p = router(urls, *extra, log_dir=self.log_dir, env=env)
+        self.procs.append(p.start())
+        p.wait_http("/health")
+        if wait_ready:
+            p.wait_http("/ready", timeout=15)
+        return p
+
+    def stop_all(self) -> None:
+        for p in reversed(self.procs):
+            p.stop(timeout=5)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    yield c
+    c.stop_all()
+    failed = getattr(request.node, "rep_call", None)
+    if failed is not None and failed.failed:
+        for p in c.procs:
+            print(f"----- {p.name} log -----\n{p.log_tail()}")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)

@@ -1,0 +1,168 @@
+"""Replica failures: retries before the first byte, SSE errors after it, ejection and return."""
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+
+from helpers import replicas_view, set_faults, sim_state, sse_events, wait_until
+
+
+def complete(url: str, **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, **extra},
+                      timeout=10)
+
+
+def test_killing_a_replica_under_load(cluster):
+    sims = [cluster.sim("--ttft-ms", "5", "--itl-ms", "30") for _ in range(3)]
+    victim = sims[0]
+    rt = cluster.router(sims)
+    results: list[tuple[str, float, str, list[str]]] = []  # (phase, sent_at, replica, events)
+    lock = threading.Lock()
+    killed_at: list[float] = []
+    stop = threading.Event()
+
+    def client():
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                r = httpx.post(rt.url + "/v1/chat/completions", timeout=10, json={
+                    "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20,
+                    "stream": True})
+                events, replica = sse_events(r.content), r.headers.get("x-kvroute-replica", "")
+            except httpx.HTTPError as e:
+                events, replica = [f"client error {e!r}"], ""
+            with lock:
+                results.append((sent, replica, events))
+
+    threads = [threading.Thread(target=client) for _ in range(12)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    wait_until(lambda: replicas_view(rt)[victim.url]["inflight"] >= 2, timeout=3)
+    victim.kill()
+    killed_at.append(time.monotonic())
+    took = wait_until(lambda: not replicas_view(rt)[victim.url]["ready"], timeout=2.0)
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(15)
+
+    victim_name = "127.0.0.1:%d" % victim.port
+    ok = lambda ev: ev and ev[-1] == "[DONE]" and not any('"error"' in e for e in ev)
+    # every request sent after the kill succeeded (on the other replicas)
+    after = [(rep, ev) for sent, rep, ev in results if sent > killed_at[0]]
+    assert after and all(ok(ev) and rep != victim_name for rep, ev in after), after[:3]
+    # streams that were running on the victim ended with an SSE error event, the rest completed
+    broken = [ev for sent, rep, ev in results if not ok(ev)]
+    assert broken, ("some streams must have been in flight on the killed replica",
+                    [(round(s - killed_at[0], 3), rep, len(ev)) for s, rep, ev in results])
+    for ev in broken:
+        assert json.loads(ev[-2])["error"]["code"] == "upstream_disconnected" and ev[-1] == "[DONE]"
+    assert took < 2.0
+
+    # the replica comes back on the same port and is used again
+    victim.start()
+    victim.wait_http()
+    wait_until(lambda: replicas_view(rt)[victim.url]["ready"], timeout=5.0)
+    seen = {complete(rt.url).headers["x-kvroute-replica"] for _ in range(30)}
+    assert victim_name in seen
+
+
+def test_connection_refused_is_retried_on_another_replica(cluster):
+    good = cluster.sim()
+    dead = cluster.sim()
+    rt = cluster.router([good, dead], "--policy", "round-robin")
+    dead.kill()
+    # until the health check notices, round robin still sends every other request to the dead one
+    for _ in range(6):
+        r = complete(rt.url)
+        assert r.status_code == 200
+        assert r.headers["x-kvroute-replica"] == "127.0.0.1:%d" % good.port
+
+
+def test_server_error_before_the_first_byte_is_retried_elsewhere(cluster):
+    a, b = cluster.sim(), cluster.sim()
+    rt = cluster.router([a, b])
+    set_faults(a, fail_status=500, fail_count=100)
+    for _ in range(10):
+        r = complete(rt.url)
+        assert r.status_code == 200
+        assert r.headers["x-kvroute-replica"] == "127.0.0.1:%d" % b.port
+    assert sim_state(a)["failed"] >= 1, "some requests were tried on the failing replica first"
+    assert replicas_view(rt)[a.url]["ready"], "5xx answers are retried, not a health verdict"
+
+
+def test_rate_limited_replica_is_retried_elsewhere(cluster):
+    a, b = cluster.sim(), cluster.sim()
+    rt = cluster.router([a, b])
+    set_faults(a, fail_status=429, fail_count=100)
+    for _ in range(6):
+        assert complete(rt.url).status_code == 200
+
+
+def test_last_replica_error_is_passed_through_when_every_attempt_fails(cluster):
+    a, b = cluster.sim(), cluster.sim()
+    rt = cluster.router([a, b])
+    set_faults(a, fail_status=500, fail_count=1)
+    set_faults(b, fail_status=500, fail_count=1)
+    r = complete(rt.url)
+    assert r.status_code == 500
+    assert r.json()["error"]["message"] == "simulated failure"
+    assert sim_state(a)["failed"] == 1 and sim_state(b)["failed"] == 1, "each replica tried once"
+
+
+def test_attempts_are_bounded(cluster):
+    sims = [cluster.sim() for _ in range(4)]
+    rt = cluster.router(sims, "--set", "proxy.max_attempts=2")
+    for s in sims:
+        set_faults(s, fail_status=502, fail_count=100)
+    r = complete(rt.url)
+    assert r.status_code == 502
+    assert sum(sim_state(s)["failed"] for s in sims) == 2
+
+
+def test_client_errors_pass_through_unchanged_and_do_not_hurt_health(cluster):
+    sim = cluster.sim()
+    rt = cluster.router([sim], "--set", "health.fail_threshold=1")
+    direct = httpx.post(sim.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 100000})
+    for _ in range(5):
+        r = complete(rt.url, max_tokens=100000)
+        assert r.status_code == 400
+        assert r.content == direct.content
+    assert sim_state(sim)["received"] == 0
+    view = replicas_view(rt)[sim.url]
+    assert view["ready"] and view["consecutive_failures"] == 0
+    client = openai.OpenAI(base_url=rt.url + "/v1", api_key="x", max_retries=0)
+    try:
+        client.completions.create(model="tiny", prompt="x", max_tokens=100000)
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "max_tokens"
+    else:
+        raise AssertionError("expected a 400")
+
+
+def test_unhealthy_replica_is_ejected_and_returns_after_consecutive_successes(cluster):
+    a, b = cluster.sim(), cluster.sim()
+    rt = cluster.router([a, b], "--set", "health.interval_s=0.2", "--set", "health.rise_threshold=3")
+    set_faults(a, health_status=503)
+    wait_until(lambda: not replicas_view(rt)[a.url]["ready"], timeout=2)
+    assert {complete(rt.url).headers["x-kvroute-replica"] for _ in range(10)} == {"127.0.0.1:%d" % b.port}
+    set_faults(a, health_status=200)
+    took = wait_until(lambda: replicas_view(rt)[a.url]["ready"], timeout=3)
+    assert took >= 0.2 * 2, "one good check is not enough to return"
+
+
+def test_replica_restart_is_detected_from_its_start_time(cluster):
+    sim = cluster.sim()
+    rt = cluster.router([sim], "--set", "health.interval_s=0.2", "--set", "health.metrics_interval_s=0.2")
+    wait_until(lambda: replicas_view(rt)[sim.url]["engine"] is not None, timeout=3)
+    sim.stop()
+    time.sleep(0.1)
+    sim.start()
+    sim.wait_http()
+    wait_until(lambda: replicas_view(rt)[sim.url]["restarts"] == 1, timeout=5)
+    metrics = httpx.get(rt.url + "/metrics").text
+    assert 'kvroute_replica_restarts_total{replica="127.0.0.1:%d"} 1.0' % sim.port in metrics

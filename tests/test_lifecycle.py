@@ -1,0 +1,88 @@
+"""Start-up, drain/undrain and graceful shutdown."""
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from helpers import sse_events, wait_until
+
+
+def test_sigterm_lets_inflight_streams_finish_and_refuses_new_connections(cluster):
+    sim = cluster.sim("--ttft-ms", "5", "--itl-ms", "40")
+    rt = cluster.router([sim], "--set", "shutdown_grace_s=10")
+    out = []
+
+    def stream():
+        r = httpx.post(rt.url + "/v1/chat/completions", timeout=20, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 30, "stream": True})
+        out.append(sse_events(r.content))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    wait_until(lambda: httpx.get(sim.url + "/sim/state").json()["counters"]["running"] == 1, timeout=3)
+    rt.signal(signal.SIGTERM)
+    time.sleep(0.2)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(rt.url + "/health", timeout=1)
+    t.join(10)
+    assert out and out[0][-1] == "[DONE]" and len(out[0]) == 1 + 30 + 1
+    assert rt.popen.wait(10) == 0
+
+
+def test_sigterm_ends_streams_that_outlast_the_grace_period(cluster):
+    sim = cluster.sim("--ttft-ms", "5", "--itl-ms", "100")
+    rt = cluster.router([sim], "--set", "shutdown_grace_s=0.5")
+    with httpx.stream("POST", rt.url + "/v1/chat/completions", timeout=20, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "stream": True}) as r:
+        chunks = r.iter_raw()
+        next(chunks)
+        start = time.monotonic()
+        rt.signal(signal.SIGTERM)
+        with pytest.raises(httpx.HTTPError):
+            for _ in chunks:
+                pass
+    assert time.monotonic() - start < 3
+    rt.popen.wait(5)
+    wait_until(lambda: httpx.get(sim.url + "/sim/state").json()["counters"]["aborted"] == 1, timeout=2)
+
+
+def test_drained_replica_gets_no_new_requests_and_undrain_restores_it(cluster):
+    a, b = cluster.sim(), cluster.sim()
+    rt = cluster.router([], config={"replicas": [{"name": "a", "url": a.url}, {"name": "b", "url": b.url}]})
+    r = httpx.post(rt.url + "/admin/replicas/a/drain")
+    assert r.status_code == 200 and r.json()["drained"] is True
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+    assert {httpx.post(rt.url + "/v1/completions", json=body).headers["x-kvroute-replica"] for _ in range(20)} == {"b"}
+    httpx.post(rt.url + "/admin/replicas/a/undrain").raise_for_status()
+    assert "a" in {httpx.post(rt.url + "/v1/completions", json=body).headers["x-kvroute-replica"] for _ in range(30)}
+
+
+def test_draining_every_replica_makes_the_router_unready(cluster):
+    a = cluster.sim()
+    rt = cluster.router([], config={"replicas": [{"name": "a", "url": a.url}]})
+    httpx.post(rt.url + "/admin/replicas/a/drain").raise_for_status()
+    assert httpx.get(rt.url + "/ready").status_code == 503
+    r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_ready_replica"
+
+
+def test_unknown_replica_in_admin_is_404(cluster):
+    a = cluster.sim()
+    rt = cluster.router([a])
+    r = httpx.post(rt.url + "/admin/replicas/ghost/drain")
+    assert r.status_code == 404 and "ghost" in r.json()["error"]["message"]
+
+
+def test_replica_that_starts_late_becomes_ready_when_it_answers(cluster):
+    from loadtest.cluster import free_port
+    port = free_port()
+    rt = cluster.router([f"http://127.0.0.1:{port}"], "--set", "health.interval_s=0.2", wait_ready=False)
+    assert httpx.get(rt.url + "/ready").status_code == 503
+    view = httpx.get(rt.url + "/admin/replicas").json()["replicas"][0]
+    assert view["state"] == "starting"
+    cluster.sim(port=port)
+    took = wait_until(lambda: httpx.get(rt.url + "/ready").status_code == 200, timeout=3)
+    assert took < 1.0

@@ -1,0 +1,92 @@
+"""The routing stage piece by piece: filters, the load scorer, pickers and policies."""
+
+import collections
+import random
+
+import pytest
+
+from router.config import ReplicaConfig
+from router.metrics import Metrics
+from router.policy import (BELOW_CAPACITY, LoadScorer, MaxScorePicker, NoCandidate, RoundRobinPicker, RouteRequest,
+                           build_policy)
+from router.pool import Replica
+
+
+def replica(name, inflight=0, ready=True, models=("m",), drained=False, **cfg):
+    r = Replica(ReplicaConfig(name=name, url=f"http://{name}:8000", models=list(models), **cfg), None, Metrics())
+    r.state = "ready" if ready else "unready"
+    r.inflight = inflight
+    r.drained = drained
+    return r
+
+
+def req(model="m", exclude=()):
+    return RouteRequest(model=model, request_id="r", endpoint="/v1/completions", exclude=set(exclude))
+
+
+@pytest.mark.parametrize("pool, model, why", [
+    ([], "m", "no_ready"),
+    ([replica("a", ready=False)], "m", "no_ready"),
+    ([replica("a", models=("x",))], "m", "unknown_model"),
+    ([replica("a", drained=True)], "m", "drained"),
+    ([replica("a", inflight=2, max_num_seqs=2)], "m", "at_capacity"),
+])
+def test_filters_say_why_nobody_is_left(pool, model, why):
+    with pytest.raises(NoCandidate) as e:
+        build_policy("least-loaded").candidates(req(model), pool)
+    assert e.value.why == why
+
+
+def test_tried_replicas_are_excluded():
+    pool = [replica("a"), replica("b")]
+    assert [r.name for r in build_policy("least-loaded").candidates(req(exclude={"a"}), pool)] == ["b"]
+
+
+def test_below_capacity_keeps_replicas_with_a_free_slot():
+    pool = [replica("a", inflight=3, max_num_seqs=4), replica("b", inflight=4, max_num_seqs=4)]
+    assert [r.name for r in BELOW_CAPACITY(req(), pool)] == ["a"]
+
+
+def test_load_score_falls_with_load_and_rises_with_capacity():
+    s = LoadScorer()
+    assert s(req(), replica("a", inflight=0)) > s(req(), replica("b", inflight=5))
+    tp1 = replica("tp1", inflight=8, platform="gaudi2", tensor_parallel_size=1)
+    tp8 = replica("tp8", inflight=8, platform="gaudi2", tensor_parallel_size=8)
+    assert s(req(), tp8) > s(req(), tp1)
+    assert 0 < s(req(), tp1) <= 1
+
+
+def test_least_loaded_picks_the_lowest_relative_load():
+    pool = [replica("a", inflight=5), replica("b", inflight=2), replica("c", inflight=9)]
+    assert build_policy("least-loaded").choose(req(), pool).replica.name == "b"
+
+
+def test_least_loaded_weighs_the_tensor_parallel_group():
+    """A TP-8 replica with 4x the requests of a TP-1 one is still the less loaded."""
+    pool = [replica("tp1", inflight=2, tensor_parallel_size=1), replica("tp8", inflight=8, tensor_parallel_size=8)]
+    assert build_policy("least-loaded").choose(req(), pool).replica.name == "tp8"
+
+
+def test_external_load_counts():
+    a, b = replica("a", inflight=1), replica("b", inflight=1)
+    a.external_load = 5
+    assert build_policy("least-loaded").choose(req(), [a, b]).replica.name == "b"
+
+
+def test_ties_are_broken_at_random_not_by_list_order():
+    pool = [replica(n) for n in "abc"]
+    picker = MaxScorePicker(random.Random(7))
+    counts = collections.Counter(picker(req(), [(r, 1.0) for r in pool])[0].name for _ in range(300))
+    assert set(counts) == {"a", "b", "c"} and min(counts.values()) > 60
+
+
+def test_round_robin_takes_turns_in_name_order():
+    pool = [replica(n) for n in "cab"]
+    picker = RoundRobinPicker()
+    assert [picker(req(), [(r, 0.0) for r in pool])[0].name for _ in range(6)] == list("abcabc")
+
+
+def test_platform_defaults():
+    assert replica("g", platform="gaudi2").block_size == 128
+    assert replica("p", platform="aurora-pvc").block_size == 16
+    assert replica("c", platform="cuda").block_size == 16
