@@ -7,6 +7,7 @@ raw bytes to the :class:`~router.proxy.Forwarder`.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -157,12 +158,36 @@ def _json_error(e: GatewayError, request_id: str | None = None) -> Response:
     return Response(e.body(), status_code=e.status, media_type="application/json", headers=headers)
 
 
-def build_app(config: RouterConfig) -> FastAPI:
+class GatewayApp:
+    """The ASGI entry point: proxied POSTs go straight to their endpoint, the rest to FastAPI.
+
+    The proxied paths carry every token of every stream; FastAPI's middleware stack would wrap
+    each ``send`` of each chunk several times over for nothing they need.
+    """
+
+    def __init__(self, fastapi_app: FastAPI, endpoints: dict[str, "ProxyEndpoint"]) -> None:
+        self.app = fastapi_app
+        self.endpoints = endpoints
+        self.state = fastapi_app.state
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self.endpoints.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(config: RouterConfig) -> GatewayApp:
     gw = Gateway(config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gw.pool.start()
+        # What exists now lives as long as the process: keep the collector from re-scanning it.
+        gc.collect()
+        gc.freeze()
         log.info("kvroute %s routing with %s over %d replica(s)", __version__, config.policy, len(config.replicas))
         try:
             yield
@@ -173,8 +198,9 @@ def build_app(config: RouterConfig) -> FastAPI:
                   openapi_url=None)
     app.state.gateway = gw
 
-    for path, required in PROXIED.items():
-        app.router.routes.append(Route(path, ProxyEndpoint(gw, path, required), methods=["POST"]))
+    endpoints = {path: ProxyEndpoint(gw, path, required) for path, required in PROXIED.items()}
+    for path, endpoint in endpoints.items():  # for OPTIONS/GET on these paths: FastAPI answers 405
+        app.router.routes.append(Route(path, endpoint, methods=["POST"]))
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, e: GatewayError) -> Response:
@@ -239,4 +265,4 @@ def build_app(config: RouterConfig) -> FastAPI:
         gw.pool.set_drained(r, False)
         return JSONResponse(r.describe())
 
-    return app
+    return GatewayApp(app, endpoints)

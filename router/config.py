@@ -11,6 +11,7 @@ comma-separated values; ``KVROUTE_REPLICAS`` takes ``URL`` or ``NAME=URL`` items
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,8 +58,8 @@ class ReplicaConfig(_Model):
     url: str = Field(..., description="base URL of the replica's OpenAI server, e.g. http://10.0.0.5:8000")
     models: list[str] = Field(default_factory=list, description="served model names; empty = discover from /v1/models")
     platform: Platform = Field("cuda", description="gaudi2, gaudi3, aurora-pvc, cuda or cpu")
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
-    pipeline_parallel_size: int = Field(1, ge=1, le=64)
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="devices in the replica's tensor-parallel group")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="pipeline stages (nodes) of the replica")
     max_num_seqs: int = Field(256, ge=1, description="vLLM's --max-num-seqs: the most requests kept in flight on it")
     speed: float | None = Field(None, gt=0, description="relative throughput; default: device_speed(platform) x TP x PP")
     api_key: SecretStr | None = Field(None, description="bearer token sent to this replica")
@@ -108,7 +109,8 @@ class ProxyConfig(_Model):
     max_attempts: int = Field(3, ge=1, le=10, description="replicas tried per request (connection errors, 5xx, 429)")
     retry_backoff_s: float = Field(0.02, ge=0, description="base backoff between attempts (doubles each time, with jitter)")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
-    max_connections_per_replica: int = Field(1024, ge=1, description="pooled upstream connections per replica")
+    upstream_idle_s: float = Field(4.0, gt=0, description="idle upstream connections are closed after this "
+                                   "(keep it below the replicas' keep-alive timeout, 5 s in vLLM)")
 
 
 class QueueConfig(_Model):
@@ -122,7 +124,7 @@ class AuthConfig(_Model):
 
 
 class LogConfig(_Model):
-    level: Literal["debug", "info", "warning", "error"] = "info"
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="debug, info, warning or error")
     json_format: bool = Field(False, alias="json", description="one JSON object per line")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
@@ -130,7 +132,7 @@ class LogConfig(_Model):
 
 class RouterConfig(_Model):
     host: str = Field("127.0.0.1", description="address to listen on")
-    port: int = Field(8000, ge=0, le=65535)
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     policy: str = Field("least-loaded", description="routing policy: " + ", ".join(POLICIES))
     replicas: list[ReplicaConfig] = Field(default_factory=list)
     health: HealthConfig = Field(default_factory=HealthConfig)
@@ -272,9 +274,7 @@ def reference() -> str:
                 walk(ReplicaConfig, f"{prefix}replicas[].")
                 continue
             default = field.get_default(call_default_factory=True)
-            if isinstance(default, SecretStr):
-                default = "***"
-            shown = "required" if field.is_required() else repr(default)
+            shown = "required" if field.is_required() else f"`{json.dumps(default)}`"
             rows.append(f"| `{prefix}{key}` | {shown} | {field.description or ''} |")
 
     walk(RouterConfig, "")

@@ -11,7 +11,8 @@ import sys
 import time
 
 # attributes the gateway passes with ``extra=`` that belong in every line that has them
-_FIELDS = ("request_id", "replica", "model", "status", "outcome", "attempts", "ttfb_ms", "duration_ms", "stream")
+_FIELDS = ("request_id", "replica", "model", "status", "outcome", "attempts", "ttfb_ms", "upstream_ttfb_ms", "duration_ms",
+           "stream")
 
 
 class JsonFormatter(logging.Formatter):

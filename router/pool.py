@@ -21,6 +21,7 @@ from .config import HealthConfig, PLATFORMS, ProxyConfig, ReplicaConfig
 from .events import EventBus, ReplicaReady, ReplicaRestarted, ReplicaUnready
 from .metrics import Metrics
 from .replica_metrics import ReplicaStats, parse_metrics
+from .upstream import UpstreamPool
 
 log = logging.getLogger("kvroute.pool")
 
@@ -30,11 +31,11 @@ State = Literal["starting", "ready", "unready"]
 class Replica:
     """A replica's configuration and the router's live view of it."""
 
-    def __init__(self, config: ReplicaConfig, client: httpx.AsyncClient, metrics: Metrics) -> None:
+    def __init__(self, config: ReplicaConfig, upstream: UpstreamPool | None, metrics: Metrics) -> None:
         self.config = config
         self.name = config.name
         self.url = config.url
-        self.client = client
+        self.upstream = upstream
         self.state: State = "starting"
         self.drained = False
         self.inflight = 0
@@ -49,6 +50,7 @@ class Replica:
         self.last_error: str | None = None
         self.restarts = 0
         self.upstream_headers = {"authorization": f"Bearer {config.api_key.get_secret_value()}"} if config.api_key else {}
+        self.upstream_header_items = tuple(self.upstream_headers.items())
         # metric children resolved once, not per request
         self.m_inflight = metrics.inflight.labels(self.name)
         self.m_ttfb = metrics.ttfb.labels(self.name)
@@ -133,17 +135,8 @@ class ReplicaPool:
         )
         self.replicas: dict[str, Replica] = {}
         for cfg in configs:
-            client = httpx.AsyncClient(
-                base_url=cfg.url,
-                timeout=httpx.Timeout(proxy.request_timeout_s, connect=proxy.connect_timeout_s),
-                limits=httpx.Limits(
-                    max_connections=proxy.max_connections_per_replica,
-                    max_keepalive_connections=proxy.max_connections_per_replica,
-                    keepalive_expiry=30,
-                ),
-                headers={"user-agent": "kvroute"},
-            )
-            self.replicas[cfg.name] = Replica(cfg, client, metrics)
+            upstream = UpstreamPool(cfg.url, proxy.connect_timeout_s, proxy.upstream_idle_s)
+            self.replicas[cfg.name] = Replica(cfg, upstream, metrics)
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -160,7 +153,8 @@ class ReplicaPool:
         self._tasks.clear()
         await self._control.aclose()
         for r in self.replicas.values():
-            await r.client.aclose()
+            if r.upstream is not None:
+                r.upstream.close()
 
     # -- queries ---------------------------------------------------------------------------
 

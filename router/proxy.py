@@ -19,8 +19,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from . import errors
 from .admission import Admission
 from .config import ProxyConfig
@@ -28,6 +26,7 @@ from .errors import GatewayError
 from .metrics import Metrics
 from .policy import NoCandidate, RouteRequest
 from .pool import Replica, ReplicaPool
+from .upstream import ConnectFailed, ReadTimeout, UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -57,6 +56,8 @@ class Call:
     replica: str = "none"
     status: int = 0
     ttfb: float | None = None
+    sent_at: float = 0.0  # the last attempt's request went to the replica
+    upstream_ttfb: float | None = None  # from then to the replica's first body byte
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -91,8 +92,6 @@ class Forwarder:
         self.admission = admission
         self.cfg = cfg
         self.metrics = metrics
-        self._stream_timeout = httpx.Timeout(cfg.stream_idle_timeout_s, connect=cfg.connect_timeout_s)
-        self._plain_timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
 
     async def __call__(self, call: Call, receive: Any, send: Any) -> None:
         """Serve ``call`` on the ASGI connection; returns once the client has its whole answer or left."""
@@ -124,6 +123,13 @@ class Forwarder:
             task.uncancel()
             call.outcome = "client_disconnected"
             call.status = call.status or 499
+        except Exception:
+            log.exception("internal error while forwarding", extra={"request_id": call.request_id})
+            call.outcome = "internal_error"
+            if call.status == 0:  # nothing sent yet: the client still gets a well-formed answer
+                call.status = 500
+                await send_error(send, GatewayError(500, "internal error in the router", "internal_error",
+                                                    "internal_error"), call.request_id)
         finally:
             state["done"] = True
             watcher.cancel()
@@ -164,63 +170,64 @@ class Forwarder:
 
     async def _attempt(self, call: Call, replica: Replica, send: Any, state: dict[str, bool]) -> _Failure | None:
         """One try on one replica. Returns a failure that may be retried, or None once answered."""
-        headers = dict(call.headers)
-        headers["x-request-id"] = call.request_id
-        headers.update(replica.upstream_headers)
-        request = replica.client.build_request(
-            "POST", call.path, content=call.body, headers=headers,
-            timeout=self._stream_timeout if call.stream else self._plain_timeout)
+        assert replica.upstream is not None
+        headers = list(call.headers.items())
+        headers.append(("x-request-id", call.request_id))
+        headers.extend(replica.upstream_header_items)
+        wait = self.cfg.stream_idle_timeout_s if call.stream else self.cfg.request_timeout_s
+        call.sent_at = time.perf_counter()
         try:
-            upstream = await replica.client.send(request, stream=True)
-        except httpx.ConnectError:
+            upstream = await replica.upstream.request(b"POST", call.path, headers, call.body, wait)
+        except ConnectFailed:
             self.pool.mark_failure(replica, "connection refused by the proxy path", immediate=True)
             return _Failure(replica, "connect")
-        except httpx.TimeoutException as e:
-            return _Failure(replica, "connect_timeout" if isinstance(e, httpx.ConnectTimeout) else "timeout")
-        except httpx.HTTPError:
-            return _Failure(replica, "protocol")
+        except UpstreamError as e:
+            return _Failure(replica, e.kind)
         try:
-            status = upstream.status_code
+            status = upstream.status
             if status >= 500 or status == 429:
                 try:
-                    body = await _read_capped(upstream)
-                except httpx.HTTPError:
+                    body = await upstream.read(_MAX_ERROR_BODY, wait)
+                except UpstreamError:
                     body = b""
                 kind = "status_429" if status == 429 else "status_5xx"
-                return _Failure(replica, kind, status, upstream.headers.raw, body)
-            await self._relay(call, replica, upstream, send)
+                return _Failure(replica, kind, status, upstream.headers, body)
+            await self._relay(call, replica, upstream, send, wait)
             return None
         finally:
-            await upstream.aclose()
+            upstream.release()
 
-    async def _relay(self, call: Call, replica: Replica, upstream: httpx.Response, send: Any) -> None:
-        call.status = upstream.status_code
-        sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
-        await send({"type": "http.response.start", "status": upstream.status_code,
-                    "headers": self._response_headers(call, replica, upstream.headers.raw)})
+    async def _relay(self, call: Call, replica: Replica, upstream: UpstreamResponse, send: Any,
+                     wait: float) -> None:
+        call.status = upstream.status
+        sse = (upstream.header(b"content-type") or b"").startswith(b"text/event-stream")
+        await send({"type": "http.response.start", "status": upstream.status,
+                    "headers": self._response_headers(call, replica, upstream.headers)})
         tail = b"\n\n"
         try:
-            async for chunk in upstream.aiter_raw():
-                if not chunk:
-                    continue
+            while True:
+                chunk = await upstream.next_chunk(wait)
+                if chunk is None:
+                    break
                 if call.ttfb is None:
-                    call.ttfb = time.perf_counter() - call.started
+                    now = time.perf_counter()
+                    call.upstream_ttfb = now - call.sent_at
+                    call.ttfb = now - call.started
                     replica.m_ttfb.observe(call.ttfb)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 tail = chunk[-2:]
-        except httpx.ReadTimeout:
+        except ReadTimeout:
             call.outcome = "stream_idle_timeout"
             self.metrics.upstream_errors.labels(replica.name, "stream_idle_timeout").inc()
             if not sse:
                 raise
             await send({"type": "http.response.body", "more_body": False, "body": _sse_error(
-                tail, f"the replica sent nothing for {self.cfg.stream_idle_timeout_s:g} s", "timeout",
-                "stream_idle_timeout")})
+                tail, f"the replica sent nothing for {wait:g} s", "timeout", "stream_idle_timeout")})
             return
-        except httpx.HTTPError as e:
+        except UpstreamError as e:
             call.outcome = "upstream_broke"
             self.metrics.upstream_errors.labels(replica.name, "stream_broken").inc()
-            log.warning("stream from %s broke: %s", replica.name, e.__class__.__name__,
+            log.warning("stream from %s broke: %s", replica.name, e,
                         extra={"request_id": call.request_id, "replica": replica.name})
             if not sse:
                 raise
@@ -270,6 +277,7 @@ class Forwarder:
                  extra={"request_id": call.request_id, "replica": call.replica, "model": call.model,
                         "status": call.status, "outcome": call.outcome, "attempts": call.attempts,
                         "ttfb_ms": None if call.ttfb is None else round(call.ttfb * 1e3, 2),
+                        "upstream_ttfb_ms": None if call.upstream_ttfb is None else round(call.upstream_ttfb * 1e3, 2),
                         "duration_ms": round(elapsed * 1e3, 2), "stream": call.stream})
 
 
@@ -280,15 +288,6 @@ async def send_error(send: Any, e: GatewayError, request_id: str) -> None:
     headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in e.headers.items()]
     await send({"type": "http.response.start", "status": e.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
-
-
-async def _read_capped(resp: httpx.Response) -> bytes:
-    buf = bytearray()
-    async for chunk in resp.aiter_raw():
-        buf += chunk
-        if len(buf) >= _MAX_ERROR_BODY:
-            break
-    return bytes(buf)
 
 
 def _sse_error(tail: bytes, message: str, type: str, code: str) -> bytes:
