@@ -1,12 +1,15 @@
 """Latency the gateway adds over going straight to a replica, and its CPU cost per request.
 
-    python -m loadtest.bench_overhead [--requests 4000] [--concurrency 32]
+    python -m loadtest.bench_overhead [--requests 4096] [--concurrency 32]
 
-Starts one simulated replica and one router on 127.0.0.1, then sends the same requests to
-both, in alternating rounds (so drift on a noisy machine hits both sides alike), streaming and
-not. Reports p50/p99 of time to first byte (streams) and of total latency, the difference
-router - direct, and the router's CPU seconds per 1000 requests (from /proc). A concurrency-1
-pass shows the added time to first byte of a lone stream (where Nagle's algorithm would show).
+Starts one simulated replica and one router on 127.0.0.1 and sends the same requests to both
+over kept-alive client connections, in blocks that alternate direct/router (so drift on a noisy
+machine hits both sides alike), streaming and not. The router gets a core of its own, as it
+would in a deployment; the replica and this load generator share the other. Reports p50/p99 of
+time to first byte (streams) and of whole-response latency, router minus direct, and the
+router's CPU seconds per 1000 requests (from /proc). Two more passes: a lone stream at
+concurrency 1 (where Nagle's algorithm would show as ~40 ms), and a burst of new clients after
+the router sat idle (new upstream connections).
 """
 
 from __future__ import annotations
@@ -35,46 +38,105 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def run_load(port: int, body: bytes, n: int, concurrency: int) -> tuple[list[float], list[float]]:
+async def run_load(port: int, body: bytes, n: int, concurrency: int,
+                   conns: list[H1Connection] | None = None) -> tuple[list[float], list[float]]:
+    """Send ``n`` requests over ``concurrency`` connections (kept open if ``conns`` is given)."""
     ttfb: list[float] = []
     total: list[float] = []
     remaining = n
+    own = conns is None
+    pool = conns if conns is not None else [H1Connection("127.0.0.1", port) for _ in range(concurrency)]
 
-    async def worker() -> None:
+    async def worker(conn: H1Connection) -> None:
         nonlocal remaining
-        conn = H1Connection("127.0.0.1", port)
-        try:
-            while remaining > 0:
-                remaining -= 1
-                res = await conn.post("/v1/completions", body)
-                if res.status != 200:
-                    raise RuntimeError(f"status {res.status}: {res.body[:200]!r}")
-                ttfb.append(res.ttfb)
-                total.append(res.total)
-        finally:
-            await conn.close()
+        while remaining > 0:
+            remaining -= 1
+            res = await conn.post("/v1/completions", body)
+            if res.status != 200:
+                raise RuntimeError(f"status {res.status}: {res.body[:200]!r}")
+            ttfb.append(res.ttfb)
+            total.append(res.total)
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    try:
+        await asyncio.gather(*(worker(c) for c in pool[:concurrency]))
+    finally:
+        if own:
+            for c in pool:
+                await c.close()
     return ttfb, total
+
+
+def _pin(proc_argv: list[str], cpu: int | None) -> list[str]:
+    return ["taskset", "-c", str(cpu), *proc_argv] if cpu is not None else proc_argv
+
+
+async def measure(args: argparse.Namespace, ports: dict[str, int], router_pid: int,
+                  bodies: dict[str, bytes]) -> dict[str, object]:
+    conns = {m: [H1Connection("127.0.0.1", p) for _ in range(args.concurrency)] for m, p in ports.items()}
+    samples: dict[tuple[str, str], dict[str, list[float]]] = {
+        (m, k): {"ttfb": [], "total": []} for m in ports for k in bodies}
+    for kind in bodies:  # warm up connections and code paths
+        for mode in ports:
+            await run_load(ports[mode], bodies[kind], 4 * args.concurrency, args.concurrency, conns[mode])
+    router_cpu = 0.0
+    router_requests = 0
+    blocks = max(1, args.requests // args.block)
+    for i in range(blocks):
+        order = list(ports) if i % 2 == 0 else list(reversed(ports))
+        for kind in bodies:
+            for mode in order:
+                before = cpu_seconds(router_pid)
+                ttfb, total = await run_load(ports[mode], bodies[kind], args.block, args.concurrency, conns[mode])
+                if mode == "router":
+                    router_cpu += cpu_seconds(router_pid) - before
+                    router_requests += args.block
+                samples[(mode, kind)]["ttfb"] += ttfb
+                samples[(mode, kind)]["total"] += total
+    for mode in ports:
+        for c in conns[mode]:
+            await c.close()
+    # A burst of new clients after the router sat idle longer than proxy.upstream_idle_s: both the
+    # client connections and the router's upstream connections are new.
+    cold: dict[str, list[float]] = {}
+    for mode in ports:
+        await asyncio.sleep(args.idle_before_burst)
+        cold[mode] = (await run_load(ports[mode], bodies["stream"], args.concurrency, args.concurrency))[0]
+    lone_conns = {m: [H1Connection("127.0.0.1", p)] for m, p in ports.items()}
+    lone: dict[str, list[float]] = {m: [] for m in ports}
+    for i in range(args.lone // 20):  # blocks of 20 (~3 s): shorter than the replica's 5 s keep-alive
+        for mode in (list(ports) if i % 2 == 0 else list(reversed(ports))):
+            lone[mode] += (await run_load(ports[mode], bodies["stream"], 20, 1, lone_conns[mode]))[0]
+    for mode in ports:
+        await lone_conns[mode][0].close()
+    return {"samples": samples, "cpu": router_cpu, "router_requests": router_requests, "cold": cold, "lone": lone}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_overhead", description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=4000, help="requests per mode and kind, over all rounds")
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--requests", type=int, default=4096, help="requests per mode and kind")
+    p.add_argument("--block", type=int, default=256, help="requests per block; blocks alternate direct/router")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--ttft-ms", type=float, default=50)
     p.add_argument("--itl-ms", type=float, default=5)
-    p.add_argument("--lone", type=int, default=300, help="requests of the concurrency-1 pass")
+    p.add_argument("--lone", type=int, default=400, help="requests of the concurrency-1 pass")
+    p.add_argument("--idle-before-burst", type=float, default=6.0)
+    p.add_argument("--no-pin", action="store_true",
+                   help="do not give the router a core of its own (by default: router on CPU 1, the rest on CPU 0)")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = p.parse_args(argv)
 
+    pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
+    if pin:
+        os.sched_setaffinity(0, {0})
     logs = Path(tempfile.mkdtemp(prefix="kvroute-bench-"))
     sim = simulator(None, "tiny", "--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms),
-                    "--max-num-seqs", "1024", log_dir=logs).start()
+                    "--max-num-seqs", "1024", log_dir=logs)
     rt = router([sim.url], log_dir=logs)
+    sim.argv = _pin(sim.argv, 0 if pin else None)
+    rt.argv = _pin(rt.argv, 1 if pin else None)
     try:
+        sim.start()
         sim.wait_http()
         rt.start()
         rt.wait_http("/ready", timeout=20)
@@ -84,36 +146,19 @@ def main(argv: list[str] | None = None) -> int:
             "plain": json.dumps({"model": "tiny", "prompt": "hello " * 50, "max_tokens": args.max_tokens}).encode(),
         }
         ports = {"direct": sim.port, "router": rt.port}
-        for kind in bodies:  # warm up connections and code paths
-            for mode in ports:
-                asyncio.run(run_load(ports[mode], bodies[kind], 200, args.concurrency))
-
-        samples: dict[tuple[str, str], dict[str, list[float]]] = {
-            (m, k): {"ttfb": [], "total": []} for m in ports for k in bodies}
-        router_cpu = 0.0
-        router_requests = 0
-        per_round = max(1, args.requests // args.rounds)
-        for rnd in range(args.rounds):
-            order = list(ports) if rnd % 2 == 0 else list(reversed(ports))
-            for kind in bodies:
-                for mode in order:
-                    before = cpu_seconds(rt.pid)
-                    ttfb, total = asyncio.run(run_load(ports[mode], bodies[kind], per_round, args.concurrency))
-                    if mode == "router":
-                        router_cpu += cpu_seconds(rt.pid) - before
-                        router_requests += per_round
-                    samples[(mode, kind)]["ttfb"] += ttfb
-                    samples[(mode, kind)]["total"] += total
-
-        lone = {m: asyncio.run(run_load(ports[m], bodies["stream"], args.lone, 1))[0] for m in ports}
+        res = asyncio.run(measure(args, ports, rt.pid, bodies))
     finally:
         rt.stop()
         sim.stop()
 
-    report: dict[str, object] = {"concurrency": args.concurrency, "requests_per_cell": per_round * args.rounds,
+    samples = res["samples"]
+    n = len(samples[("router", "stream")]["ttfb"])
+    report: dict[str, object] = {"concurrency": args.concurrency, "requests_per_cell": n, "pinned": pin,
                                  "max_tokens": args.max_tokens, "ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms}
-    lines = [f"concurrency {args.concurrency}, {per_round * args.rounds} requests per cell, "
-             f"replica: ttft {args.ttft_ms:g} ms + {args.max_tokens} tokens x {args.itl_ms:g} ms",
+    lines = [f"concurrency {args.concurrency}, {n} requests per cell in blocks of {args.block} alternating "
+             f"direct/router, replica: ttft {args.ttft_ms:g} ms + {args.max_tokens} tokens x {args.itl_ms:g} ms, "
+             + ("router on its own core" if pin else "no CPU pinning"),
+             "",
              "| request | metric | direct p50 | router p50 | added p50 | direct p99 | router p99 | added p99 |",
              "|---|---|---|---|---|---|---|---|"]
     for kind in bodies:
@@ -123,18 +168,24 @@ def main(argv: list[str] | None = None) -> int:
             row = {q: (pct(d, q) * 1e3, pct(r, q) * 1e3) for q in (50, 99)}
             report[f"{kind}_{metric}"] = {f"p{q}": {"direct_ms": a, "router_ms": b, "added_ms": b - a}
                                           for q, (a, b) in row.items()}
-            lines.append(f"| {kind} | {metric} | {row[50][0]:.2f} ms | {row[50][1]:.2f} ms | "
-                         f"{row[50][1] - row[50][0]:+.2f} ms | {row[99][0]:.2f} ms | {row[99][1]:.2f} ms | "
-                         f"{row[99][1] - row[99][0]:+.2f} ms |")
-    cpu_per_1000 = router_cpu / router_requests * 1000
-    lone_added = (statistics.median(lone["router"]) - statistics.median(lone["direct"])) * 1e3
+            name = {"ttfb": "time to first byte", "total": "whole response"}[metric]
+            lines.append(f"| {'streaming' if kind == 'stream' else 'non-streaming'} | {name} | {row[50][0]:.2f} ms "
+                         f"| {row[50][1]:.2f} ms | {row[50][1] - row[50][0]:+.2f} ms | {row[99][0]:.2f} ms | "
+                         f"{row[99][1]:.2f} ms | {row[99][1] - row[99][0]:+.2f} ms |")
+    cpu_per_1000 = res["cpu"] / res["router_requests"] * 1000
     report["router_cpu_s_per_1000_requests"] = cpu_per_1000
-    report["lone_stream_ttfb_ms"] = {"direct": statistics.median(lone["direct"]) * 1e3,
-                                     "router": statistics.median(lone["router"]) * 1e3, "added": lone_added}
-    lines.append(f"router CPU: {cpu_per_1000:.2f} s per 1000 requests (streaming and not, mixed)")
-    lines.append(f"concurrency 1, stream time to first byte, median: direct "
-                 f"{report['lone_stream_ttfb_ms']['direct']:.2f} ms, router "
-                 f"{report['lone_stream_ttfb_ms']['router']:.2f} ms, added {lone_added:+.2f} ms")
+    lone, cold = res["lone"], res["cold"]
+    med = {m: statistics.median(v) * 1e3 for m, v in lone.items()}
+    report["lone_stream_ttfb_ms"] = {**med, "added": med["router"] - med["direct"]}
+    cmed = {m: statistics.median(v) * 1e3 for m, v in cold.items()}
+    report["cold_burst_ttfb_ms"] = {**cmed, "added": cmed["router"] - cmed["direct"]}
+    lines += ["",
+              f"- router CPU: {cpu_per_1000:.2f} s per 1000 requests (half streaming, half not)",
+              f"- concurrency 1, streaming time to first byte, median: direct {med['direct']:.2f} ms, "
+              f"router {med['router']:.2f} ms, added {med['router'] - med['direct']:+.2f} ms",
+              f"- burst of {args.concurrency} new clients after {args.idle_before_burst:g} s idle (new upstream "
+              f"connections too), time to first byte, median: direct {cmed['direct']:.2f} ms, router "
+              f"{cmed['router']:.2f} ms, added {cmed['router'] - cmed['direct']:+.2f} ms"]
     print("\n".join(lines))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -40,8 +40,17 @@ class H1Connection:
             self.writer = None
 
     async def post(self, path: str, body: bytes, extra_headers: bytes = b"") -> Result:
+        if self.reader is not None and self.reader.at_eof():  # the server closed it while idle
+            await self.close()
         if self.writer is None:
             await self._connect()
+        try:
+            return await self._exchange(path, body, extra_headers)
+        except (asyncio.IncompleteReadError, ConnectionResetError):
+            await self.close()
+            raise
+
+    async def _exchange(self, path: str, body: bytes, extra_headers: bytes) -> Result:
         assert self.reader is not None and self.writer is not None
         start = time.perf_counter()
         self.writer.write(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
