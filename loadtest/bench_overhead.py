@@ -21,7 +21,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from .cluster import router, simulator

@@ -474,12 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                         max_model_len=args.max_model_len, bytes_per_token=args.bytes_per_token,
                         api_key=args.api_key, faults=faults, seed=args.seed)
     import uvicorn
-    try:
-        import uvloop  # noqa: F401
-        loop = "uvloop"
-    except ImportError:  # pragma: no cover
-        loop = "asyncio"
-    uvicorn.run(app, host=args.host, port=args.port, loop=loop, http="httptools", log_level="warning",
+    uvicorn.run(app, host=args.host, port=args.port, loop="auto", http="httptools", log_level="warning",
                 access_log=False, server_header=False, date_header=True, timeout_graceful_shutdown=1)
     return 0
 

@@ -49,8 +49,9 @@ class Replica:
         self.successes = 0
         self.last_error: str | None = None
         self.restarts = 0
-        self.upstream_headers = {"authorization": f"Bearer {config.api_key.get_secret_value()}"} if config.api_key else {}
-        self.upstream_header_items = tuple(self.upstream_headers.items())
+        # (name, value) pairs: the proxy appends them to its header list, httpx takes them as they are
+        self.upstream_headers: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {config.api_key.get_secret_value()}"),) if config.api_key else ())
         # metric children resolved once, not per request
         self.m_inflight = metrics.inflight.labels(self.name)
         self.m_ttfb = metrics.ttfb.labels(self.name)

@@ -16,7 +16,7 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from . import errors
@@ -58,7 +58,6 @@ class Call:
     ttfb: float | None = None
     sent_at: float = 0.0  # the last attempt's request went to the replica
     upstream_ttfb: float | None = None  # from then to the replica's first body byte
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -110,7 +109,7 @@ class Forwarder:
 
         watcher = asyncio.create_task(watch_disconnect())
         try:
-            await self._serve(call, send, state)
+            await self._serve(call, send)
         except GatewayError as e:
             call.status = e.status
             call.outcome = e.code
@@ -135,7 +134,7 @@ class Forwarder:
             watcher.cancel()
             self._record(call)
 
-    async def _serve(self, call: Call, send: Any, state: dict[str, bool]) -> None:
+    async def _serve(self, call: Call, send: Any) -> None:
         failure: _Failure | None = None
         while True:
             try:
@@ -152,7 +151,7 @@ class Forwarder:
             call.attempts += 1
             call.replica = replica.name
             try:
-                failure = await self._attempt(call, replica, send, state)
+                failure = await self._attempt(call, replica, send)
             finally:
                 self.admission.release(replica)
             if failure is None:
@@ -168,12 +167,12 @@ class Forwarder:
             if backoff:
                 await asyncio.sleep(backoff)
 
-    async def _attempt(self, call: Call, replica: Replica, send: Any, state: dict[str, bool]) -> _Failure | None:
+    async def _attempt(self, call: Call, replica: Replica, send: Any) -> _Failure | None:
         """One try on one replica. Returns a failure that may be retried, or None once answered."""
         assert replica.upstream is not None
         headers = list(call.headers.items())
         headers.append(("x-request-id", call.request_id))
-        headers.extend(replica.upstream_header_items)
+        headers.extend(replica.upstream_headers)
         wait = self.cfg.stream_idle_timeout_s if call.stream else self.cfg.request_timeout_s
         call.sent_at = time.perf_counter()
         try:
