@@ -120,3 +120,25 @@ def router(replicas: list[str], *args: str, port: int | None = None, log_dir: Pa
         argv += ["--replica", r]
     argv += list(args)
     return Proc(name, argv, port, env=env, log_path=(log_dir / f"{name}-{port}.log") if log_dir else None)
+
+
+def redis_server(port: int | None = None, log_dir: Path | None = None) -> Proc:
+    """A throw-away redis-server on 127.0.0.1 that keeps nothing on disk."""
+    port = port or free_port()
+    argv = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+            "--protected-mode", "no", "--daemonize", "no"]
+    return Proc(f"redis-{port}", argv, port, log_path=(log_dir / f"redis-{port}.log") if log_dir else None)
+
+
+def wait_redis(proc: Proc, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", proc.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"redis on port {proc.port} did not answer PING; log: {proc.log_tail()}")

@@ -1,0 +1,95 @@
+"""The Redis prefix index, shared by router instances.
+
+Per (model, replica) one sorted set of 8-byte block hashes scored by last use. Every key of a
+model carries the hash tag ``{model}``, so one model's keys live in one slot (Redis Cluster).
+A lookup of a whole chain against every candidate replica is one round trip (a Lua script that
+stops at each replica's first miss: work grows with the matched length, not the prompt). A
+record is one round trip too: it stamps the chain's blocks, root newest, and trims the set to
+the replica's capacity, least recently used first.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+import redis.asyncio as aioredis
+
+_LOOKUP = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local n = 0
+  for j = 1, #ARGV do
+    if redis.call('ZSCORE', key, ARGV[j]) then n = j else break end
+  end
+  out[i] = n
+end
+return out
+"""
+
+_RECORD = """
+local n = #ARGV - 1
+local top = redis.call('INCRBY', KEYS[2], n)
+local batch = {}
+for j = 2, #ARGV do
+  batch[#batch + 1] = top - (j - 2)
+  batch[#batch + 1] = ARGV[j]
+  if #batch >= 1000 then
+    redis.call('ZADD', KEYS[1], unpack(batch))
+    batch = {}
+  end
+end
+if #batch > 0 then redis.call('ZADD', KEYS[1], unpack(batch)) end
+local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1])
+if over > 0 then redis.call('ZPOPMIN', KEYS[1], over) end
+return over
+"""
+
+
+def _tag(model: str) -> str:
+    return model.replace("{", "(").replace("}", ")")
+
+
+class RedisIndex:
+    name = "redis"
+
+    def __init__(self, url: str, namespace: str = "kvroute", timeout_s: float = 0.05) -> None:
+        self.url = url
+        self.ns = namespace
+        self.client = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
+            health_check_interval=0, max_connections=64)
+        self._lookup = self.client.register_script(_LOOKUP)
+        self._record = self.client.register_script(_RECORD)
+
+    def key(self, model: str, replica: str) -> str:
+        return f"{self.ns}:{{{_tag(model)}}}:r:{replica}"
+
+    def _clock(self, model: str) -> str:
+        return f"{self.ns}:{{{_tag(model)}}}:clock"
+
+    @staticmethod
+    def _packed(chain: Sequence[int]) -> list[bytes]:
+        return [struct.pack(">Q", h & 0xFFFFFFFFFFFFFFFF) for h in chain]
+
+    async def lookup(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
+        if not chain or not replicas:
+            return {r: 0 for r in replicas}
+        counts = await self._lookup(keys=[self.key(model, r) for r in replicas], args=self._packed(chain))
+        return {r: int(n) for r, n in zip(replicas, counts)}
+
+    async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> None:
+        if not chain:
+            return
+        await self._record(keys=[self.key(model, replica), self._clock(model)],
+                           args=[max(1, capacity), *self._packed(chain)])
+
+    async def forget(self, replica: str, models: Sequence[str]) -> None:
+        if models:
+            await self.client.delete(*(self.key(m, replica) for m in models))
+
+    async def size(self, model: str, replica: str) -> int:
+        return int(await self.client.zcard(self.key(model, replica)))
+
+    async def close(self) -> None:
+        await self.client.aclose()

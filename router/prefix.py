@@ -1,0 +1,167 @@
+"""Prompt keys: a request's prompt as a chain of block-sized prefix hashes.
+
+The prompt becomes one canonical sequence of units (bytes without a tokenizer, token ids with
+one), cut into blocks of the replica's KV block size, each block hashed with xxh3_64 seeded by
+the previous block's hash. The first block is seeded by the model name, the LoRA adapter and
+``cache_salt``, so equal text under another model or salt never matches. Block k's hash thus
+stands for the whole prefix up to block k: two requests share a block hash exactly when they
+share everything before and in that block. There is no per-process seed: every router process
+computes the same chain.
+
+Only full blocks are hashed, as vLLM caches only full blocks. Only the hashes leave this module;
+prompt text is never stored or logged.
+
+Canonical forms:
+
+- completions: the prompt string (UTF-8); a list of token ids is keyed as ids; a list of
+  prompts gives one chain per prompt.
+- chat: the messages in order, each as its role and its content parts (text, image URLs, tool
+  calls, tool call ids, names), so that the messages of turn n are a prefix of those of turn n+1.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import xxhash
+
+_ROLE = b"\x1e"  # record separator before each message
+_PART = b"\x1f"  # unit separator between the fields of a message
+
+
+def _text(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogatepass")
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _content(content: Any) -> bytes:
+    if content is None:
+        return b""
+    if isinstance(content, str):
+        return _text(content)
+    if isinstance(content, list):
+        out = bytearray()
+        for part in content:
+            if isinstance(part, dict):
+                kind = part.get("type")
+                if kind == "text":
+                    out += b"text" + _PART + _text(part.get("text", ""))
+                elif kind == "image_url":
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    out += b"image" + _PART + _text(url or "")
+                else:
+                    out += _text(part)
+            else:
+                out += _text(part)
+            out += _PART
+        return bytes(out)
+    return _text(content)
+
+
+def chat_bytes(messages: Sequence[Any]) -> bytes:
+    """The canonical byte form of a list of chat messages."""
+    out = bytearray()
+    for m in messages:
+        if not isinstance(m, dict):
+            out += _ROLE + _text(m)
+            continue
+        out += _ROLE + _text(str(m.get("role", ""))) + _PART + _content(m.get("content"))
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                out += _PART + key.encode() + _PART + _text(m[key])
+        if m.get("tool_calls"):
+            out += _PART + b"tool_calls" + _PART + _text(m["tool_calls"])
+    return bytes(out)
+
+
+def root_seed(model: str, lora: str | None = None, cache_salt: str | None = None) -> int:
+    return xxhash.xxh3_64_intdigest(b"\x00".join(
+        (model.encode(), (lora or "").encode(), (cache_salt or "").encode())))
+
+
+def chain_bytes(data: bytes, block_bytes: int, seed: int) -> list[int]:
+    """Hashes of the full ``block_bytes``-sized blocks of ``data``, each seeded by the previous."""
+    h = seed
+    out = []
+    hasher = xxhash.xxh3_64_intdigest
+    for start in range(0, len(data) - block_bytes + 1, block_bytes):
+        h = hasher(data[start:start + block_bytes], seed=h)
+        out.append(h)
+    return out
+
+
+def chain_tokens(ids: Sequence[int], block_tokens: int, seed: int) -> list[int]:
+    """Hashes of the full blocks of token ids (each id packed as 4 little-endian bytes)."""
+    n = len(ids) - len(ids) % block_tokens
+    if n == 0:
+        return []
+    packed = struct.pack(f"<{n}I", *(i & 0xFFFFFFFF for i in ids[:n]))
+    return chain_bytes(packed, block_tokens * 4, seed)
+
+
+def _tokens(prompt: bytes | list[int], bytes_per_token: int) -> int:
+    return len(prompt) if isinstance(prompt, list) else -(-len(prompt) // bytes_per_token)
+
+
+@dataclass
+class PromptKey:
+    """What routing knows of a request's prompt(s): their units and their chains per block size.
+
+    Each prompt is bytes (byte mode: a token counts as ``bytes_per_token`` bytes) or token ids.
+    """
+
+    model: str
+    seed: int
+    prompts: list[bytes | list[int]]
+    bytes_per_token: int
+    _chains: dict[int, list[list[int]]] = field(default_factory=dict)
+
+    def prompt_tokens(self) -> list[int]:
+        """Prompt length in tokens (estimated in byte mode), per prompt."""
+        return [_tokens(p, self.bytes_per_token) for p in self.prompts]
+
+    def chains(self, block_tokens: int) -> list[list[int]]:
+        """One hash chain per prompt for KV blocks of ``block_tokens`` tokens (computed once per size)."""
+        got = self._chains.get(block_tokens)
+        if got is None:
+            got = [chain_tokens(p, block_tokens, self.seed) if isinstance(p, list)
+                   else chain_bytes(p, block_tokens * self.bytes_per_token, self.seed) for p in self.prompts]
+            self._chains[block_tokens] = got
+        return got
+
+
+def prompts_of(path: str, payload: dict[str, Any]) -> list[bytes | list[int]] | None:
+    """The canonical prompt(s) of a request body in byte/id form, or None if it has none to key."""
+    if path == "/v1/chat/completions":
+        messages = payload.get("messages")
+        return [chat_bytes(messages)] if isinstance(messages, list) else None
+    if path == "/v1/completions":
+        prompt = payload.get("prompt")
+        if isinstance(prompt, str):
+            return [_text(prompt)]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(t, int) for t in prompt):
+                return [list(prompt)]
+            out: list[bytes | list[int]] = []
+            for p in prompt:
+                if isinstance(p, str):
+                    out.append(_text(p))
+                elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+                    out.append(list(p))
+            return out or None
+    return None
+
+
+def key_for(path: str, payload: dict[str, Any], model: str, bytes_per_token: int = 4) -> PromptKey | None:
+    prompts = prompts_of(path, payload)
+    if not prompts:
+        return None
+    lora = payload.get("lora_request") or payload.get("lora_name")
+    salt = payload.get("cache_salt")
+    seed = root_seed(model, lora if isinstance(lora, str) else None, salt if isinstance(salt, str) else None)
+    return PromptKey(model, seed, prompts, bytes_per_token)

@@ -1,0 +1,111 @@
+"""One contract, both backends: the in-process index and the Redis index (a real redis-server)."""
+
+import asyncio
+
+import pytest
+
+from loadtest.cluster import redis_server, wait_redis
+from router.index import build_index
+
+
+@pytest.fixture(scope="module")
+def redis_proc(tmp_path_factory):
+    p = redis_server(log_dir=tmp_path_factory.mktemp("redis")).start()
+    wait_redis(p)
+    yield p
+    p.stop()
+
+
+class Runner:
+    """Runs a test body against a fresh index, inside one event loop."""
+
+    def __init__(self, spec, namespace):
+        self.spec, self.namespace = spec, namespace
+
+    def __call__(self, body):
+        async def main():
+            idx = build_index(self.spec, namespace=self.namespace, timeout_s=1.0)
+            try:
+                return await body(idx)
+            finally:
+                await idx.close()
+        return asyncio.run(main())
+
+
+@pytest.fixture(params=["memory", "redis"])
+def run(request, redis_proc):
+    spec = "memory" if request.param == "memory" else f"redis://127.0.0.1:{redis_proc.port}/0"
+    return Runner(spec, f"t{abs(hash(request.node.name))}")
+
+
+def test_empty_index_matches_nothing(run):
+    async def go(index):
+        return await index.lookup("m", [1, 2, 3], ["a", "b"])
+    assert run(go) == {"a": 0, "b": 0}
+
+
+def test_lookup_counts_leading_blocks_per_replica(run):
+    async def go(index):
+        await index.record("m", "a", [1, 2, 3, 4], 100)
+        await index.record("m", "b", [1, 2], 100)
+        return await index.lookup("m", [1, 2, 3, 9, 4], ["a", "b", "c"])
+    assert run(go) == {"a": 3, "b": 2, "c": 0}
+
+
+def test_a_hole_in_the_chain_ends_the_match(run):
+    async def go(index):
+        await index.record("m", "a", [1, 3], 100)
+        return await index.lookup("m", [1, 2, 3], ["a"])
+    assert run(go) == {"a": 1}
+
+
+def test_models_are_separate(run):
+    async def go(index):
+        await index.record("m1", "a", [1, 2], 100)
+        return await index.lookup("m2", [1, 2], ["a"])
+    assert run(go) == {"a": 0}
+
+
+def test_capacity_evicts_least_recently_used_tail_first(run):
+    async def go(index):
+        await index.record("m", "a", [1, 2, 3, 4], 4)
+        await index.record("m", "a", [5, 6], 4)  # 2 blocks over: the oldest go, tail (4, 3) before root
+        first = await index.lookup("m", [1, 2, 3, 4], ["a"])
+        second = await index.lookup("m", [5, 6], ["a"])
+        return first, second, await index.size("m", "a")
+    assert run(go) == ({"a": 2}, {"a": 2}, 4)
+
+
+def test_recording_again_refreshes_a_chain(run):
+    async def go(index):
+        await index.record("m", "a", [1, 2], 3)
+        await index.record("m", "a", [7], 3)
+        await index.record("m", "a", [1, 2], 3)  # refreshed: 7 is now the oldest
+        await index.record("m", "a", [8], 3)
+        return await index.lookup("m", [1, 2], ["a"]), await index.lookup("m", [7], ["a"])
+    assert run(go) == ({"a": 2}, {"a": 0})
+
+
+def test_forget_drops_only_that_replica(run):
+    async def go(index):
+        await index.record("m", "a", [1, 2], 10)
+        await index.record("m", "b", [1, 2], 10)
+        await index.forget("a", ["m"])
+        return await index.lookup("m", [1, 2], ["a", "b"])
+    assert run(go) == {"a": 0, "b": 2}
+
+
+def test_long_chains(run):
+    chain = list(range(10_000, 12_000))
+    async def go(index):
+        await index.record("m", "a", chain, 5000)
+        return await index.lookup("m", chain + [1], ["a"]), await index.size("m", "a")
+    assert run(go) == ({"a": 2000}, 2000)
+
+
+def test_full_64_bit_hashes(run):
+    chain = [2**64 - 1, 2**63, 0, 12345678901234567890]
+    async def go(index):
+        await index.record("m", "a", chain, 10)
+        return await index.lookup("m", chain, ["a"])
+    assert run(go) == {"a": 4}
