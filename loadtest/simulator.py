@@ -3,8 +3,11 @@
     python -m loadtest.simulator --port 9001 --model tiny [--ttft-ms 20 --itl-ms 5 ...]
 
 It counts prompt tokens as ``ceil(bytes / --bytes-per-token)``, keeps at most ``--max-num-seqs``
-requests running (the rest wait, as in vLLM's scheduler), sleeps a time to first token plus an
-inter-token latency, and reports all of it under vLLM's metric names. When a client disconnects
+requests running (the rest wait, as in vLLM's scheduler), models the prefix cache (LRU of chained
+block hashes; hits on leading full blocks, never the last token), queues the prefill of uncached
+tokens (``--prefill-us-per-token`` each) behind the prefills already under way, as they share the
+device's compute, then sleeps a time to first token plus an inter-token latency, and reports all
+of it under vLLM's metric names. When a client disconnects
 the request is aborted and counted as ``finished_reason="abort"``, as vLLM does.
 
 Fault switches for tests, set at start-up with flags or at run time with
@@ -26,8 +29,11 @@ import os
 import random
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import xxhash
 
 VERSION = "0.32.0"
 FINGERPRINT = "vllm-0.32.0-98d74f34"
@@ -66,6 +72,43 @@ class _Abort(Exception):
     pass
 
 
+class PrefixCache:
+    """vLLM's prefix cache in miniature: full blocks of the rendered prompt, chain-hashed, LRU-evicted.
+
+    A request hits on its leading cached blocks, never on its last token (``floor((n-1)/B)*B`` at
+    most); afterwards all its full blocks are cached, the root most recently used.
+    """
+
+    def __init__(self, block_size: int, num_blocks: int, bytes_per_token: int) -> None:
+        self.block_size = block_size
+        self.block_bytes = block_size * bytes_per_token
+        self.num_blocks = num_blocks
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def chain(self, data: bytes) -> list[int]:
+        out, h = [], 0x5EED
+        for i in range(0, len(data) - self.block_bytes + 1, self.block_bytes):
+            h = xxhash.xxh3_64_intdigest(data[i:i + self.block_bytes], seed=h)
+            out.append(h)
+        return out
+
+    def admit(self, data: bytes, prompt_tokens: int) -> int:
+        """Look the prompt up and cache it; returns the cached tokens."""
+        chain = self.chain(data)
+        hit = 0
+        for h in chain:
+            if h not in self.blocks:
+                break
+            hit += 1
+        cached = min(hit * self.block_size, (prompt_tokens - 1) // self.block_size * self.block_size)
+        for h in reversed(chain):
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > self.num_blocks:
+            self.blocks.popitem(last=False)
+        return max(0, cached)
+
+
 class VLLMSimulator:
     def __init__(self, model: str, ttft_ms: float = 20.0, itl_ms: float = 5.0, prefill_us_per_token: float = 0.0,
                  max_num_seqs: int = 256, block_size: int = 128, num_gpu_blocks: int = 16384,
@@ -87,6 +130,8 @@ class VLLMSimulator:
         self.start_time = time.time()
         self.created = int(self.start_time)
         self._slots = asyncio.Semaphore(max_num_seqs) if max_num_seqs else None
+        self.cache = PrefixCache(block_size, num_gpu_blocks, bytes_per_token)
+        self._prefill_free_at = 0.0  # prefill is compute-bound: requests' prefills queue behind each other
         self._rng = random.Random(seed)
 
     # -- ASGI --------------------------------------------------------------------------------
@@ -201,7 +246,8 @@ class VLLMSimulator:
                     return
 
         watcher = asyncio.create_task(watch())
-        prompt_tokens = self.count_tokens(_prompt_text(req, chat))
+        rendered = _prompt_text(req, chat).encode()
+        prompt_tokens = self.count_tokens_bytes(rendered)
         blocks = math.ceil((prompt_tokens + max_tokens) / self.block_size)
         self.c.waiting += 1
         holding = False
@@ -214,15 +260,20 @@ class VLLMSimulator:
             self.c.running += 1
             running = True
             self.kv_blocks_in_use += blocks
+            cached = self.cache.admit(rendered, prompt_tokens)
             self.c.prompt_tokens += prompt_tokens
             self.c.prefix_queries += prompt_tokens
+            self.c.prefix_hits += cached
             if self.faults.hang:
                 await asyncio.Event().wait()
-            await asyncio.sleep(self.ttft + self.prefill_per_token * prompt_tokens)
+            loop = asyncio.get_running_loop()
+            start = max(loop.time(), self._prefill_free_at)
+            self._prefill_free_at = start + self.prefill_per_token * (prompt_tokens - cached)
+            await asyncio.sleep(self._prefill_free_at - loop.time() + self.ttft)
             if req.get("stream"):
-                await self._stream(chat, req, max_tokens, prompt_tokens, send)
+                await self._stream(chat, req, max_tokens, prompt_tokens, cached, send)
             else:
-                await self._whole(chat, req, max_tokens, prompt_tokens, send)
+                await self._whole(chat, req, max_tokens, prompt_tokens, cached, send)
             self.c.completed += 1
         except asyncio.CancelledError:
             if not gone["flag"]:
@@ -245,12 +296,14 @@ class VLLMSimulator:
     def _text(self, i: int) -> str:
         return VOCAB[i % len(VOCAB)] if i else VOCAB[0]
 
-    async def _whole(self, chat: bool, req: dict[str, Any], n: int, prompt_tokens: int, send: Any) -> None:
+    async def _whole(self, chat: bool, req: dict[str, Any], n: int, prompt_tokens: int, cached: int,
+                     send: Any) -> None:
         await asyncio.sleep(self.itl * max(0, n - 1))
         text = "".join(self._text(i) for i in range(n))
         self.c.generation_tokens += n
         usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n, "completion_tokens": n,
-                 "prompt_tokens_details": {"cached_tokens": 0, "created_cache_tokens": None, "multimodal_tokens": None},
+                 "prompt_tokens_details": {"cached_tokens": cached, "created_cache_tokens": None,
+                                           "multimodal_tokens": None},
                  "completion_tokens_details": None}
         now = int(time.time())
         if chat:
@@ -275,7 +328,8 @@ class VLLMSimulator:
                        "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
         await _json(send, 200, payload)
 
-    async def _stream(self, chat: bool, req: dict[str, Any], n: int, prompt_tokens: int, send: Any) -> None:
+    async def _stream(self, chat: bool, req: dict[str, Any], n: int, prompt_tokens: int, cached: int,
+                      send: Any) -> None:
         f = self.faults
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}" if chat else f"cmpl-{uuid.uuid4().hex[:16]}"
         now = int(time.time())
@@ -321,7 +375,7 @@ class VLLMSimulator:
                                                  "finish_reason": "length" if last else None, "stop_reason": None,
                                                  "prompt_token_ids": None, "token_ids": None}]})
         if (req.get("stream_options") or {}).get("include_usage"):
-            details: dict[str, Any] = {"cached_tokens": 0}
+            details: dict[str, Any] = {"cached_tokens": cached}
             if chat:
                 details["created_cache_tokens"] = 0
             await emit({**head, "choices": [], "usage": {
@@ -333,7 +387,10 @@ class VLLMSimulator:
     # -- tokens ------------------------------------------------------------------------------
 
     def count_tokens(self, text: str) -> int:
-        return max(1, math.ceil(len(text.encode()) / self.bytes_per_token))
+        return self.count_tokens_bytes(text.encode())
+
+    def count_tokens_bytes(self, data: bytes) -> int:
+        return max(1, math.ceil(len(data) / self.bytes_per_token))
 
     def token_ids(self, req: dict[str, Any]) -> list[int]:
         raw = _prompt_text(req, "messages" in req).encode()

@@ -26,6 +26,7 @@ from .auth import Auth
 from .config import RouterConfig
 from .errors import GatewayError
 from .events import EventBus
+from .matching import Matcher
 from .metrics import Metrics
 from .policy import RouteRequest, build_policy
 from .pool import ReplicaPool
@@ -51,9 +52,13 @@ class Gateway:
         self.metrics = Metrics()
         self.events = EventBus()
         self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.events)
-        self.policy = build_policy(config.policy)
+        for r in self.pool:
+            r.default_blocks = config.index.default_blocks
+        self.policy = build_policy(config.policy, config.cache_aware)
+        self.matcher = Matcher(self.pool, config.index, config.prefix, self.metrics) \
+            if config.policy == "cache-aware" else None
         self.admission = Admission(self.pool, self.policy, config.queue, self.metrics)
-        self.forwarder = Forwarder(self.pool, self.admission, config.proxy, self.metrics)
+        self.forwarder = Forwarder(self.pool, self.admission, config.proxy, self.metrics, self.matcher)
         self.auth = Auth(config.auth)
         self.started = time.time()
 
@@ -107,10 +112,13 @@ class ProxyEndpoint:
         for k, v in headers:
             if k == b"x-session-id":
                 session = v.decode("latin-1")
+        route = RouteRequest(model=model, request_id=request_id, endpoint=self.path, session_id=session)
+        matcher = self.gw.matcher
+        if matcher is not None:
+            route.key = matcher.key(self.path, payload, model)
         call = Call(
             path=self.path, body=body, model=model, stream=payload.get("stream") is True,
-            request_id=request_id, headers=client_headers(headers), started=started,
-            route=RouteRequest(model=model, request_id=request_id, endpoint=self.path, session_id=session),
+            request_id=request_id, headers=client_headers(headers), started=started, route=route,
         )
         await self.gw.forwarder(call, receive, send)
 
@@ -185,6 +193,8 @@ def build_app(config: RouterConfig) -> GatewayApp:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gw.pool.start()
+        if gw.matcher is not None:
+            gw.matcher.start()
         # What exists now lives as long as the process: keep the collector from re-scanning it.
         gc.collect()
         gc.freeze()
@@ -192,6 +202,8 @@ def build_app(config: RouterConfig) -> GatewayApp:
         try:
             yield
         finally:
+            if gw.matcher is not None:
+                await gw.matcher.close()
             await gw.pool.stop()
 
     app = FastAPI(title="kvroute", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -247,6 +259,7 @@ def build_app(config: RouterConfig) -> GatewayApp:
         _admin(request)
         return JSONResponse({
             "policy": gw.policy.name,
+            "index": gw.matcher.backend if gw.matcher is not None else None,
             "queue_length": gw.admission.queue_length,
             "replicas": [r.describe() for r in gw.pool],
         })

@@ -24,7 +24,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--config", metavar="FILE", help="YAML configuration file (also KVROUTE_CONFIG)")
         sp.add_argument("--replica", action="append", default=[], metavar="[NAME=]URL",
                         help="a vLLM replica; repeat for several (replaces the file's list)")
-        sp.add_argument("--policy", choices=POLICIES, help="routing policy (default: least-loaded)")
+        sp.add_argument("--policy", choices=POLICIES, help="routing policy (default: cache-aware)")
+        sp.add_argument("--index", metavar="memory|redis://HOST:PORT/DB",
+                        help="prefix index: in this process (default) or shared through Redis")
         sp.add_argument("--host", help="listen address (default: 127.0.0.1)")
         sp.add_argument("--port", type=int, help="listen port (default: 8000)")
         sp.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
@@ -52,6 +54,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("policy", "host", "port"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
+    if args.index:
+        out.setdefault("index", {})["backend"] = args.index
     if args.log_level:
         out.setdefault("log", {})["level"] = args.log_level
     if args.log_json:

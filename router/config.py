@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 Platform = Literal["gaudi2", "gaudi3", "aurora-pvc", "cuda", "cpu"]
-POLICIES = ("least-loaded", "round-robin")
+POLICIES = ("cache-aware", "least-loaded", "round-robin")
 
 
 @dataclass(frozen=True)
@@ -31,19 +31,22 @@ class PlatformProfile:
 
     ``block_size`` is vLLM's KV block size in tokens there (the replica's ``/metrics`` wins once
     scraped). ``device_speed`` is the relative throughput of one device (one Gaudi 2 card = 1.0);
-    only ratios between replicas matter.
+    only ratios between replicas matter. ``prefill_tokens_per_s`` is one device's prompt
+    throughput for a mid-sized (~8B) model, the default from which a replica's prefill rate is
+    scaled by its parallel group; set the replica's own ``prefill_tokens_per_s`` when known.
     """
 
     block_size: int
     device_speed: float
+    prefill_tokens_per_s: float
 
 
 PLATFORMS: dict[str, PlatformProfile] = {
-    "gaudi2": PlatformProfile(block_size=128, device_speed=1.0),
-    "gaudi3": PlatformProfile(block_size=128, device_speed=1.8),
-    "aurora-pvc": PlatformProfile(block_size=16, device_speed=0.5),  # one PVC tile
-    "cuda": PlatformProfile(block_size=16, device_speed=1.0),
-    "cpu": PlatformProfile(block_size=128, device_speed=0.02),
+    "gaudi2": PlatformProfile(block_size=128, device_speed=1.0, prefill_tokens_per_s=8000),
+    "gaudi3": PlatformProfile(block_size=128, device_speed=1.8, prefill_tokens_per_s=14000),
+    "aurora-pvc": PlatformProfile(block_size=16, device_speed=0.5, prefill_tokens_per_s=4000),  # one PVC tile
+    "cuda": PlatformProfile(block_size=16, device_speed=1.0, prefill_tokens_per_s=8000),
+    "cpu": PlatformProfile(block_size=128, device_speed=0.02, prefill_tokens_per_s=200),
 }
 
 
@@ -63,6 +66,12 @@ class ReplicaConfig(_Model):
     max_num_seqs: int = Field(256, ge=1, description="vLLM's --max-num-seqs: the most requests kept in flight on it")
     speed: float | None = Field(None, gt=0, description="relative throughput; default: device_speed(platform) x TP x PP")
     api_key: SecretStr | None = Field(None, description="bearer token sent to this replica")
+    block_size: int | None = Field(None, ge=1, description="KV block size in tokens; default: from the replica's "
+                                   "/metrics, else the platform's (128 Gaudi and CPU, 16 XPU and CUDA)")
+    num_gpu_blocks: int | None = Field(None, ge=1, description="KV cache size in blocks; default: from /metrics, "
+                                       "else index.default_blocks")
+    prefill_tokens_per_s: float | None = Field(None, gt=0, description="prompt tokens per second; default: the "
+                                               "platform's per-device rate x TP x PP")
 
     @field_validator("url")
     @classmethod
@@ -89,6 +98,13 @@ class ReplicaConfig(_Model):
         return PLATFORMS[self.platform].device_speed * self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
+    def prefill_rate(self) -> float:
+        if self.prefill_tokens_per_s is not None:
+            return self.prefill_tokens_per_s
+        p = PLATFORMS[self.platform]
+        return p.prefill_tokens_per_s * self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def capacity(self) -> float:
         """Load normaliser: grows with the batch limit and with the parallel group's speed."""
         return self.max_num_seqs * self.relative_speed
@@ -113,6 +129,35 @@ class ProxyConfig(_Model):
                                    "(keep it below the replicas' keep-alive timeout, 5 s in vLLM)")
 
 
+class IndexConfig(_Model):
+    backend: str = Field("memory", description="memory, or redis://HOST:PORT/DB to share the index between routers")
+    namespace: str = Field("kvroute", min_length=1, description="prefix of every Redis key")
+    timeout_s: float = Field(0.05, gt=0, description="a Redis call slower than this falls back to the local index")
+    retry_after_s: float = Field(1.0, gt=0, description="after a Redis failure, use the local index this long")
+    default_blocks: int = Field(16384, ge=1, description="KV blocks assumed for a replica whose size is unknown")
+
+    @field_validator("backend")
+    @classmethod
+    def _check_backend(cls, v: str) -> str:
+        if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be 'memory' or a redis:// URL")
+        return v
+
+
+class PrefixConfig(_Model):
+    bytes_per_token: int = Field(4, ge=1, le=16, description="without a tokenizer, a token counts as this many bytes")
+
+
+class CacheAwareConfig(_Model):
+    """Knobs of the cache-aware cost (see the README's routing section)."""
+
+    load_weight_s: float = Field(1.0, ge=0, description="seconds of cost for a replica at full capacity (load term)")
+    kv_weight_s: float = Field(0.5, ge=0, description="seconds of cost for a replica whose KV cache is full")
+    session_bonus_s: float = Field(0.05, ge=0, description="cost taken off the replica that served the session last")
+    occupancy_weight_s: float = Field(0.01, ge=0, description="seconds of cost for a replica whose cache the index "
+                                      "sees full: new prefixes go where they evict least")
+
+
 class QueueConfig(_Model):
     max_size: int = Field(1024, ge=0, description="requests that may wait when every replica is at capacity")
     timeout_s: float = Field(30.0, ge=0, description="longest wait in the queue before 429")
@@ -133,11 +178,14 @@ class LogConfig(_Model):
 class RouterConfig(_Model):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
-    policy: str = Field("least-loaded", description="routing policy: " + ", ".join(POLICIES))
+    policy: str = Field("cache-aware", description="routing policy: " + ", ".join(POLICIES))
     replicas: list[ReplicaConfig] = Field(default_factory=list)
     health: HealthConfig = Field(default_factory=HealthConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
+    index: IndexConfig = Field(default_factory=IndexConfig)
+    prefix: PrefixConfig = Field(default_factory=PrefixConfig)
+    cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight streams may finish")

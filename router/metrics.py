@@ -53,5 +53,27 @@ class Metrics:
             "kvroute_replica_kv_cache_usage", "KV cache usage (0..1) reported by the replica's /metrics.",
             ["replica"], registry=r)
 
+        self.prompt_tokens = Counter(
+            "kvroute_prompt_tokens", "Prompt tokens of routed requests (estimated in byte mode).", ["model"],
+            registry=r)
+        self.cached_tokens = Counter(
+            "kvroute_predicted_cached_tokens", "Prompt tokens predicted to be in the chosen replica's prefix cache.",
+            ["model"], registry=r)
+        self.decisions = Counter(
+            "kvroute_routing_decisions", "Routing decisions by reason: cache (went where the longest cached "
+            "prefix is), load (no cached prefix, or load outweighed it), fallback (shared index unavailable).",
+            ["reason"], registry=r)
+        self.index_lookup = Histogram(
+            "kvroute_index_lookup_seconds", "Prefix index lookup time per request.",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1), registry=r)
+        self.index_blocks = Gauge(
+            "kvroute_index_blocks", "Blocks the prefix index holds for each replica (this router's view).",
+            ["replica"], registry=r)
+        self.index_errors = Counter(
+            "kvroute_index_errors", "Failed or too slow calls to the shared (Redis) index.", ["op"], registry=r)
+        self.index_fallback = Gauge(
+            "kvroute_index_fallback", "1 while routing falls back to the local index because Redis failed.",
+            registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

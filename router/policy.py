@@ -11,9 +11,13 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Protocol, Sequence
 
+from .config import CacheAwareConfig
 from .pool import Replica
+
+if TYPE_CHECKING:
+    from .prefix import PromptKey
 
 # Why a filter left no replica: each maps to a different answer to the client.
 Empty = Literal["no_ready", "unknown_model", "drained", "tried", "at_capacity"]
@@ -28,6 +32,12 @@ class RouteRequest:
     endpoint: str
     session_id: str | None = None
     exclude: set[str] = field(default_factory=set)
+    key: "PromptKey | None" = None
+    prompt_tokens: int = 0
+    cached: dict[str, int] = field(default_factory=dict)  # predicted cached tokens per replica name
+    occupancy: dict[str, float] = field(default_factory=dict)  # share of each replica's KV blocks indexed
+    index_fallback: bool = False
+    session_replica: str | None = None
 
 
 @dataclass
@@ -88,6 +98,36 @@ class LoadScorer:
 
     def __call__(self, req: RouteRequest, replica: Replica) -> float:
         return 1.0 / (1.0 + replica.load / replica.capacity)
+
+
+class PredictedTTFTScorer:
+    """Prefers the replica expected to produce the first token soonest.
+
+    cost (seconds) = (uncached prompt tokens + prefill tokens already queued there) / prefill rate
+                   + load_weight_s x load / max_num_seqs + kv_weight_s x KV cache usage
+                   + occupancy_weight_s x share of its KV blocks the index holds
+                   - session_bonus_s if it served this session last
+    score = 1 / (1 + cost). Uncached tokens come from the prefix index (``req.cached``).
+    """
+
+    name = "predicted-ttft"
+
+    def __init__(self, cfg: CacheAwareConfig) -> None:
+        self.cfg = cfg
+
+    def cost(self, req: RouteRequest, replica: Replica) -> float:
+        uncached = max(0, req.prompt_tokens - req.cached.get(replica.name, 0))
+        cost = (uncached + replica.pending_prefill) / replica.prefill_rate
+        cost += self.cfg.load_weight_s * replica.load / replica.slots
+        if replica.stats is not None:
+            cost += self.cfg.kv_weight_s * replica.stats.kv_usage
+        cost += self.cfg.occupancy_weight_s * req.occupancy.get(replica.name, 0.0)
+        if req.session_replica is not None and req.session_replica == replica.name:
+            cost -= self.cfg.session_bonus_s
+        return max(0.0, cost)
+
+    def __call__(self, req: RouteRequest, replica: Replica) -> float:
+        return 1.0 / (1.0 + self.cost(req, replica))
 
 
 # -- pickers -------------------------------------------------------------------------------
@@ -161,7 +201,9 @@ class Policy:
         return Decision(replica, self.name, score)
 
 
-def build_policy(name: str) -> Policy:
+def build_policy(name: str, cache_aware: CacheAwareConfig | None = None) -> Policy:
+    if name == "cache-aware":
+        return Policy(name, [(PredictedTTFTScorer(cache_aware or CacheAwareConfig()), 1.0)], MaxScorePicker())
     if name == "least-loaded":
         return Policy(name, [(LoadScorer(), 1.0)], MaxScorePicker())
     if name == "round-robin":

@@ -40,6 +40,8 @@ class Replica:
         self.drained = False
         self.inflight = 0
         self.inflight_peak = 0  # highest in-flight count since the current scrape was sent
+        self.pending_prefill = 0  # prompt tokens routed here that have not produced a first byte yet
+        self.default_blocks = 16384
         self.model_cards: dict[str, dict[str, Any]] = {}
         self.models: frozenset[str] = frozenset(config.models)
         self.stats: ReplicaStats | None = None
@@ -79,9 +81,23 @@ class Replica:
 
     @property
     def block_size(self) -> int:
+        if self.config.block_size:
+            return self.config.block_size
         if self.stats and self.stats.block_size:
             return self.stats.block_size
         return PLATFORMS[self.config.platform].block_size
+
+    @property
+    def kv_blocks(self) -> int:
+        if self.config.num_gpu_blocks:
+            return self.config.num_gpu_blocks
+        if self.stats and self.stats.num_gpu_blocks:
+            return self.stats.num_gpu_blocks
+        return self.default_blocks
+
+    @property
+    def prefill_rate(self) -> float:
+        return self.config.prefill_rate
 
     def describe(self) -> dict[str, Any]:
         s = self.stats
@@ -101,7 +117,9 @@ class Replica:
             "external_load": self.external_load,
             "load": self.load,
             "block_size": self.block_size,
-            "num_gpu_blocks": s.num_gpu_blocks if s else None,
+            "num_gpu_blocks": self.kv_blocks,
+            "prefill_tokens_per_s": self.prefill_rate,
+            "pending_prefill_tokens": self.pending_prefill,
             "engine": None if s is None else {
                 "running": s.running,
                 "waiting": s.waiting,

@@ -21,6 +21,7 @@ from typing import Any
 
 from . import errors
 from .admission import Admission
+from .matching import Matcher
 from .config import ProxyConfig
 from .errors import GatewayError
 from .metrics import Metrics
@@ -56,6 +57,7 @@ class Call:
     replica: str = "none"
     status: int = 0
     ttfb: float | None = None
+    pending_prefill: int = 0  # prompt tokens counted in the replica's pending prefill until the first byte
     sent_at: float = 0.0  # the last attempt's request went to the replica
     upstream_ttfb: float | None = None  # from then to the replica's first body byte
 
@@ -86,8 +88,10 @@ def client_headers(scope_headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
 
 
 class Forwarder:
-    def __init__(self, pool: ReplicaPool, admission: Admission, cfg: ProxyConfig, metrics: Metrics) -> None:
+    def __init__(self, pool: ReplicaPool, admission: Admission, cfg: ProxyConfig, metrics: Metrics,
+                 matcher: Matcher | None = None) -> None:
         self.pool = pool
+        self.matcher = matcher
         self.admission = admission
         self.cfg = cfg
         self.metrics = metrics
@@ -136,6 +140,10 @@ class Forwarder:
 
     async def _serve(self, call: Call, send: Any) -> None:
         failure: _Failure | None = None
+        matcher = self.matcher
+        if matcher is not None and call.route.key is not None:
+            call.route.session_replica = matcher.session_replica(call.route.session_id)
+            await matcher.annotate(call.route, list(self.pool))
         while True:
             try:
                 decision = await self.admission.admit(call.route)
@@ -150,9 +158,15 @@ class Forwarder:
             replica = decision.replica
             call.attempts += 1
             call.replica = replica.name
+            if matcher is not None:
+                matcher.record(call.route, replica)
+            pending = max(0, call.route.prompt_tokens - call.route.cached.get(replica.name, 0))
+            replica.pending_prefill += pending
+            call.pending_prefill = pending
             try:
                 failure = await self._attempt(call, replica, send)
             finally:
+                self._prefill_done(call, replica)
                 self.admission.release(replica)
             if failure is None:
                 return
@@ -209,6 +223,7 @@ class Forwarder:
                 if chunk is None:
                     break
                 if call.ttfb is None:
+                    self._prefill_done(call, replica)
                     now = time.perf_counter()
                     call.upstream_ttfb = now - call.sent_at
                     call.ttfb = now - call.started
@@ -235,10 +250,18 @@ class Forwarder:
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    @staticmethod
+    def _prefill_done(call: Call, replica: Replica) -> None:
+        if call.pending_prefill:
+            replica.pending_prefill -= call.pending_prefill
+            call.pending_prefill = 0
+
     def _response_headers(self, call: Call, replica: Replica, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         out = [(k, v) for k, v in raw if k.lower() not in _HOP_BY_HOP]
         out.append((b"x-request-id", call.request_id.encode("latin-1")))
         out.append((b"x-kvroute-replica", replica.name.encode("latin-1")))
+        if call.route.key is not None:
+            out.append((b"x-kvroute-cached-tokens", b"%d" % call.route.cached.get(replica.name, 0)))
         return out
 
     async def _give_up(self, call: Call, send: Any, failure: _Failure) -> None:
@@ -272,6 +295,20 @@ class Forwarder:
         if replica is not None and call.attempts:
             replica.m_latency.observe(elapsed)
         self.metrics.requests.labels(call.model or "", call.replica, str(call.status)).inc()
+        route = call.route
+        if route.key is not None and call.attempts and self.matcher is not None:
+            cached = route.cached.get(call.replica, 0)
+            self.metrics.prompt_tokens.labels(call.model or "").inc(route.prompt_tokens)
+            self.metrics.cached_tokens.labels(call.model or "").inc(cached)
+            if route.index_fallback:
+                reason = "fallback"
+            elif cached > 0 and cached >= max(route.cached.values(), default=0):
+                reason = "cache"
+            else:
+                reason = "load"
+            self.metrics.decisions.labels(reason).inc()
+            if 200 <= call.status < 300:
+                self.matcher.remember_session(route.session_id, call.replica)
         log.info("%s %s -> %s %d %s", call.path, call.model, call.replica, call.status, call.outcome,
                  extra={"request_id": call.request_id, "replica": call.replica, "model": call.model,
                         "status": call.status, "outcome": call.outcome, "attempts": call.attempts,

@@ -16,7 +16,8 @@ def write(tmp_path, text):
 
 def test_defaults_need_no_file():
     cfg = load_config(None, environ={})
-    assert cfg.port == 8000 and cfg.policy == "least-loaded" and cfg.replicas == []
+    assert cfg.port == 8000 and cfg.policy == "cache-aware" and cfg.replicas == []
+    assert cfg.index.backend == "memory"
 
 
 def test_yaml_replica_fields(tmp_path):

@@ -34,6 +34,10 @@ class PrefixIndex(Protocol):
     async def size(self, model: str, replica: str) -> int:
         ...
 
+    async def warm(self) -> None:
+        """Get ready to answer quickly (connect, load scripts)."""
+        ...
+
     async def close(self) -> None:
         ...
 

@@ -48,7 +48,13 @@ class MemoryIndex:
             del self._lru[key]
 
     async def size(self, model: str, replica: str) -> int:
+        return self.size_now(model, replica)
+
+    def size_now(self, model: str, replica: str) -> int:
         return len(self._lru.get((model, replica), ()))
+
+    async def warm(self) -> None:
+        pass
 
     async def close(self) -> None:
         self._lru.clear()

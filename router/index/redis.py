@@ -91,5 +91,11 @@ class RedisIndex:
     async def size(self, model: str, replica: str) -> int:
         return int(await self.client.zcard(self.key(model, replica)))
 
+    async def warm(self) -> None:
+        """Connect and load the scripts, so that the first lookups pay no set-up."""
+        await self.client.ping()
+        await self.client.script_load(_LOOKUP)
+        await self.client.script_load(_RECORD)
+
     async def close(self) -> None:
         await self.client.aclose()

@@ -1,0 +1,132 @@
+"""Cost of one routing decision (prompt key + index lookup + scoring) with a large index.
+
+    python -m loadtest.bench_decision [--entries 1000000] [--decisions 300]
+
+Fills the prefix index with about ``--entries`` (block, replica) entries over 3 replicas, then
+times complete cache-aware decisions, in process, for prompts of 1k, 8k and 32k tokens (4 bytes
+per token, KV blocks of 16 tokens), half of them sharing an indexed prefix, on both backends: the
+in-process index and Redis on loopback (a temporary redis-server). Also reports Redis memory per
+(block, replica) entry (``used_memory`` difference / entries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from router.config import IndexConfig, PrefixConfig, ProxyConfig, HealthConfig, ReplicaConfig, CacheAwareConfig
+from router.matching import Matcher
+from router.metrics import Metrics
+from router.policy import RouteRequest, build_policy
+from router.pool import ReplicaPool
+
+from .cluster import redis_server, wait_redis
+from .workloads import text
+
+BLOCK = 16
+SIZES = (1024, 8192, 32768)
+
+
+def pct(v: list[float], q: float) -> float:
+    s = sorted(v)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def make_pool(n: int) -> ReplicaPool:
+    cfgs = [ReplicaConfig(name=f"r{i}", url=f"http://127.0.0.1:{9 + i}", models=["m"], block_size=BLOCK,
+                          num_gpu_blocks=10_000_000) for i in range(n)]
+    pool = ReplicaPool(cfgs, HealthConfig(), ProxyConfig(), Metrics())
+    for r in pool:
+        r.state = "ready"
+    return pool
+
+
+async def bench(backend: str, entries: int, decisions: int, seed: int) -> dict[str, dict[str, float]]:
+    pool = make_pool(3)
+    metrics = Metrics()
+    matcher = Matcher(pool, IndexConfig(backend=backend, timeout_s=1.0), PrefixConfig(), metrics)
+    policy = build_policy("cache-aware", CacheAwareConfig())
+    replicas = list(pool)
+    rng = random.Random(seed)
+    index = matcher.shared or matcher.local
+    await index.warm()
+    # fill: 32k-token prompts (2048 blocks each), spread over the replicas
+    prefixes = []
+    filled = 0
+    while filled < entries:
+        prompt = text(rng, SIZES[-1] * 4)
+        prefixes.append(prompt)
+        chain = matcher.key("/v1/completions", {"prompt": prompt}, "m").chains(BLOCK)[0]
+        await index.record("m", replicas[len(prefixes) % 3].name, chain, 10_000_000)
+        filled += len(chain)
+    out: dict[str, dict[str, float]] = {}
+    for size in SIZES:
+        times = []
+        for i in range(decisions):
+            if i % 2 == 0:  # shares an indexed prefix (the first half of the prompt)
+                base = rng.choice(prefixes)[: size * 2]
+                prompt = base + text(rng, size * 4 - len(base))
+            else:
+                prompt = text(rng, size * 4)
+            payload = {"model": "m", "prompt": prompt}
+            t0 = time.perf_counter()
+            req = RouteRequest(model="m", request_id="b", endpoint="/v1/completions")
+            req.key = matcher.key("/v1/completions", payload, "m")
+            await matcher.annotate(req, replicas)
+            policy.choose(req, replicas)
+            times.append(time.perf_counter() - t0)
+        out[str(size)] = {"p50_ms": pct(times, 50) * 1e3, "p99_ms": pct(times, 99) * 1e3,
+                          "mean_ms": statistics.mean(times) * 1e3}
+    out["entries"] = {"count": float(filled)}
+    if matcher.shared is not None:
+        info = await matcher.shared.client.info("memory")  # type: ignore[attr-defined]
+        out["entries"]["redis_used_memory"] = float(info["used_memory"])
+    await matcher.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench_decision", description=__doc__.split("\n\n")[0])
+    p.add_argument("--entries", type=int, default=1_000_000)
+    p.add_argument("--decisions", type=int, default=300)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    report: dict[str, object] = {}
+    report["memory"] = asyncio.run(bench("memory", args.entries, args.decisions, args.seed))
+    redis = redis_server(log_dir=Path(tempfile.mkdtemp(prefix="kvroute-bench-"))).start()
+    try:
+        wait_redis(redis)
+        import redis as redis_sync
+        baseline = redis_sync.Redis(port=redis.port).info("memory")["used_memory"]
+        result = asyncio.run(bench(f"redis://127.0.0.1:{redis.port}/0", args.entries, args.decisions, args.seed))
+        used = result["entries"]["redis_used_memory"] - baseline
+        result["entries"]["bytes_per_entry"] = used / result["entries"]["count"]
+        report["redis"] = result
+    finally:
+        redis.stop()
+    lines = [f"{int(report['memory']['entries']['count'])} indexed (block, replica) entries, 3 replicas, "
+             f"{args.decisions} decisions per size (half sharing an indexed prefix), blocks of {BLOCK} tokens",
+             "", "| prompt tokens | memory p50 | memory p99 | redis p50 | redis p99 |", "|---|---|---|---|---|"]
+    for size in SIZES:
+        m, r = report["memory"][str(size)], report["redis"][str(size)]  # type: ignore[index]
+        lines.append(f"| {size} | {m['p50_ms']:.3f} ms | {m['p99_ms']:.3f} ms | {r['p50_ms']:.3f} ms | "
+                     f"{r['p99_ms']:.3f} ms |")
+    lines.append(f"\nRedis memory: {report['redis']['entries']['bytes_per_entry']:.1f} bytes per (block, replica) "
+                 "entry")  # type: ignore[index]
+    print("\n".join(lines))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
