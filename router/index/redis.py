@@ -5,7 +5,8 @@ model carries the hash tag ``{model}``, so one model's keys live in one slot (Re
 A lookup of a whole chain against every candidate replica is one round trip (a Lua script that
 stops at each replica's first miss: work grows with the matched length, not the prompt). A
 record is one round trip too: it stamps the chain's blocks, root newest, and trims the set to
-the replica's capacity, least recently used first.
+the replica's capacity, least recently used first. The chain travels as one argument of 8 bytes
+per block.
 """
 
 from __future__ import annotations
@@ -16,11 +17,22 @@ from typing import Sequence
 import redis.asyncio as aioredis
 
 _LOOKUP = """
+local chain = ARGV[1]
+local blocks = #chain / 8
 local out = {}
 for i, key in ipairs(KEYS) do
-  local n = 0
-  for j = 1, #ARGV do
-    if redis.call('ZSCORE', key, ARGV[j]) then n = j else break end
+  -- batches of 16, 32, 64, ... blocks: a few calls even for long matches, and a miss early on
+  -- costs one small batch, so the work follows the matched length
+  local n, step, done = 0, 16, false
+  while not done and n < blocks do
+    local last = math.min(blocks, n + step)
+    local members = {}
+    for j = n + 1, last do members[#members + 1] = string.sub(chain, 8 * j - 7, 8 * j) end
+    local scores = redis.call('ZMSCORE', key, unpack(members))
+    for k = 1, #members do
+      if scores[k] then n = n + 1 else done = true break end
+    end
+    step = math.min(step * 2, 1024)
   end
   out[i] = n
 end
@@ -28,12 +40,13 @@ return out
 """
 
 _RECORD = """
-local n = #ARGV - 1
+local chain = ARGV[2]
+local n = #chain / 8
 local top = redis.call('INCRBY', KEYS[2], n)
 local batch = {}
-for j = 2, #ARGV do
-  batch[#batch + 1] = top - (j - 2)
-  batch[#batch + 1] = ARGV[j]
+for j = 1, n do
+  batch[#batch + 1] = top - (j - 1)
+  batch[#batch + 1] = string.sub(chain, 8 * j - 7, 8 * j)
   if #batch >= 1000 then
     redis.call('ZADD', KEYS[1], unpack(batch))
     batch = {}
@@ -69,20 +82,21 @@ class RedisIndex:
         return f"{self.ns}:{{{_tag(model)}}}:clock"
 
     @staticmethod
-    def _packed(chain: Sequence[int]) -> list[bytes]:
-        return [struct.pack(">Q", h & 0xFFFFFFFFFFFFFFFF) for h in chain]
+    def _packed(chain: Sequence[int]) -> bytes:
+        """The chain as one argument: 8 big-endian bytes per block (far cheaper than one argument each)."""
+        return struct.pack(f">{len(chain)}Q", *chain)
 
     async def lookup(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
         if not chain or not replicas:
             return {r: 0 for r in replicas}
-        counts = await self._lookup(keys=[self.key(model, r) for r in replicas], args=self._packed(chain))
+        counts = await self._lookup(keys=[self.key(model, r) for r in replicas], args=[self._packed(chain)])
         return {r: int(n) for r, n in zip(replicas, counts)}
 
     async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> None:
         if not chain:
             return
         await self._record(keys=[self.key(model, replica), self._clock(model)],
-                           args=[max(1, capacity), *self._packed(chain)])
+                           args=[max(1, capacity), self._packed(chain)])
 
     async def forget(self, replica: str, models: Sequence[str]) -> None:
         if models:
