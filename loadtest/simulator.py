@@ -246,7 +246,7 @@ class VLLMSimulator:
                     return
 
         watcher = asyncio.create_task(watch())
-        rendered = _prompt_text(req, chat).encode()
+        rendered = prompt_text(req, chat).encode()
         prompt_tokens = self.count_tokens_bytes(rendered)
         blocks = math.ceil((prompt_tokens + max_tokens) / self.block_size)
         self.c.waiting += 1
@@ -393,7 +393,7 @@ class VLLMSimulator:
         return max(1, math.ceil(len(data) / self.bytes_per_token))
 
     def token_ids(self, req: dict[str, Any]) -> list[int]:
-        raw = _prompt_text(req, "messages" in req).encode()
+        raw = prompt_text(req, "messages" in req).encode()
         step = self.bytes_per_token
         return [int.from_bytes(raw[i:i + step], "little") % 32000 for i in range(0, len(raw), step)] or [0]
 
@@ -474,7 +474,7 @@ def _text_of(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def _prompt_text(req: dict[str, Any], chat: bool) -> str:
+def prompt_text(req: dict[str, Any], chat: bool) -> str:
     if not chat:
         return _text_of(req.get("prompt", ""))
     parts = []

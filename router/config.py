@@ -153,6 +153,8 @@ class CacheAwareConfig(_Model):
 
     load_weight_s: float = Field(1.0, ge=0, description="seconds of cost for a replica at full capacity (load term)")
     kv_weight_s: float = Field(0.5, ge=0, description="seconds of cost for a replica whose KV cache is full")
+    kv_threshold: float = Field(0.9, ge=0, lt=1, description="KV cache usage below which the KV term is 0; it "
+                                "grows linearly to kv_weight_s at full usage")
     session_bonus_s: float = Field(0.05, ge=0, description="cost taken off the replica that served the session last")
     occupancy_weight_s: float = Field(0.01, ge=0, description="seconds of cost for a replica whose cache the index "
                                       "sees full: new prefixes go where they evict least")

@@ -104,7 +104,8 @@ class PredictedTTFTScorer:
     """Prefers the replica expected to produce the first token soonest.
 
     cost (seconds) = (uncached prompt tokens + prefill tokens already queued there) / prefill rate
-                   + load_weight_s x load / max_num_seqs + kv_weight_s x KV cache usage
+                   + load_weight_s x load / max_num_seqs
+                   + kv_weight_s x (KV cache usage above kv_threshold, scaled to 0..1)
                    + occupancy_weight_s x share of its KV blocks the index holds
                    - session_bonus_s if it served this session last
     score = 1 / (1 + cost). Uncached tokens come from the prefix index (``req.cached``).
@@ -119,8 +120,11 @@ class PredictedTTFTScorer:
         uncached = max(0, req.prompt_tokens - req.cached.get(replica.name, 0))
         cost = (uncached + replica.pending_prefill) / replica.prefill_rate
         cost += self.cfg.load_weight_s * replica.load / replica.slots
-        if replica.stats is not None:
-            cost += self.cfg.kv_weight_s * replica.stats.kv_usage
+        if replica.stats is not None and replica.stats.kv_usage > self.cfg.kv_threshold:
+            # only a nearly full cache delays a new request (vLLM queues or preempts then); below
+            # that, a scrape up to an interval old would only steer prefixes away from their cache
+            over = (replica.stats.kv_usage - self.cfg.kv_threshold) / (1.0 - self.cfg.kv_threshold)
+            cost += self.cfg.kv_weight_s * min(1.0, over)
         cost += self.cfg.occupancy_weight_s * req.occupancy.get(replica.name, 0.0)
         if req.session_replica is not None and req.session_replica == replica.name:
             cost -= self.cfg.session_bonus_s

@@ -10,6 +10,7 @@ import pytest
 
 from helpers import replicas_view, wait_until
 from loadtest.cluster import redis_server, wait_redis
+from loadtest.simulator import PrefixCache, prompt_text
 from loadtest.workloads import shared_prefix
 from router.replica_metrics import parse_metrics
 
@@ -17,7 +18,7 @@ from router.replica_metrics import parse_metrics
 # system prompt (~64 blocks each) need ~800 blocks: more than one replica holds, less than three.
 SIM = ("--ttft-ms", "1", "--itl-ms", "1", "--prefill-us-per-token", "20", "--block-size", "16",
        "--num-gpu-blocks", "400")
-WORKLOAD = dict(groups=12, prompts_per_group=8, system_bytes=4096, question_bytes=96, seed=7)
+WORKLOAD = dict(groups=12, prompts_per_group=16, system_bytes=4096, question_bytes=96, seed=7)
 
 
 def router_config(sims, policy, **extra):
@@ -55,11 +56,28 @@ def measure(cluster, policy, concurrency=4, sim_args=SIM):
     return hit_rate(sims), share, responses, rt
 
 
-def test_cache_aware_hit_rate_is_far_above_round_robin_and_load_stays_even(cluster):
+def infinite_cache_hit_rate(requests):
+    """The best any router can do: the same requests in order against one cache that never evicts."""
+    cache = PrefixCache(block_size=16, num_blocks=10**9, bytes_per_token=4)
+    hits = queries = 0
+    for q in requests:
+        rendered = prompt_text({"messages": q.messages}, chat=True).encode()
+        n = -(-len(rendered) // 4)
+        hits += cache.admit(rendered, n)
+        queries += n
+    return hits / queries
+
+
+def test_cache_aware_hit_rate_nears_the_bound_and_is_far_above_round_robin(cluster):
+    bound = infinite_cache_hit_rate(shared_prefix(**WORKLOAD))
     rr_rate, _, _, _ = measure(cluster, "round-robin")
     ca_rate, share, responses, rt = measure(cluster, "cache-aware")
-    print(f"hit rate: round robin {rr_rate:.3f}, cache-aware {ca_rate:.3f}; share {dict(share)}")
-    assert ca_rate >= 2 * rr_rate and ca_rate > 0.7
+    print(f"hit rate: infinite cache {bound:.3f}, round robin {rr_rate:.3f}, cache-aware {ca_rate:.3f}; "
+          f"share {dict(share)}")
+    # round robin's rate depends on how the concurrent arrivals interleave (0.24-0.44 seen), so it is
+    # compared by a fixed margin; cache-aware is held to the bound
+    assert ca_rate >= 0.95 * bound
+    assert ca_rate >= rr_rate + 0.4
     mean = len(responses) / 3
     assert len(share) == 3 and max(share.values()) <= 1.5 * mean
     predicted = sum(int(r.headers["x-kvroute-cached-tokens"]) for r in responses)

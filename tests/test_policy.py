@@ -90,3 +90,28 @@ def test_platform_defaults():
     assert replica("g", platform="gaudi2").block_size == 128
     assert replica("p", platform="aurora-pvc").block_size == 16
     assert replica("c", platform="cuda").block_size == 16
+
+
+def cache_aware_cost(replica_obj, cached=0, prompt=1024):
+    from router.config import CacheAwareConfig
+    from router.policy import PredictedTTFTScorer
+    r = req()
+    r.prompt_tokens, r.cached = prompt, {replica_obj.name: cached}
+    return PredictedTTFTScorer(CacheAwareConfig()).cost(r, replica_obj)
+
+
+def test_kv_usage_costs_nothing_until_the_cache_is_nearly_full():
+    from router.replica_metrics import ReplicaStats
+    r = replica("a", prefill_tokens_per_s=1000)
+    base = cache_aware_cost(r)
+    r.stats = ReplicaStats(kv_usage=0.85)
+    assert cache_aware_cost(r) == base
+    r.stats = ReplicaStats(kv_usage=0.95)
+    assert cache_aware_cost(r) == pytest.approx(base + 0.25)
+    r.stats = ReplicaStats(kv_usage=1.0)
+    assert cache_aware_cost(r) == pytest.approx(base + 0.5)
+
+
+def test_cached_prefix_lowers_the_cost_by_its_prefill_time():
+    r = replica("a", prefill_tokens_per_s=1000)
+    assert cache_aware_cost(r, cached=0) - cache_aware_cost(r, cached=768) == pytest.approx(0.768)
