@@ -143,7 +143,8 @@ class Matcher:
         if self._shared_usable():
             assert self.shared is not None
             try:
-                found = await asyncio.wait_for(self.shared.lookup(model, chain, names), self.cfg.timeout_s)
+                async with asyncio.timeout(self.cfg.timeout_s):  # no extra task, unlike wait_for
+                    found = await self.shared.lookup(model, chain, names)
                 self.metrics.index_fallback.set(0)
                 return found
             except Exception as e:  # Redis down, slow or confused: route on local knowledge

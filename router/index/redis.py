@@ -2,11 +2,14 @@
 
 Per (model, replica) one sorted set of 8-byte block hashes scored by last use. Every key of a
 model carries the hash tag ``{model}``, so one model's keys live in one slot (Redis Cluster).
-A lookup of a whole chain against every candidate replica is one round trip (a Lua script that
-stops at each replica's first miss: work grows with the matched length, not the prompt). A
-record is one round trip too: it stamps the chain's blocks, root newest, and trims the set to
-the replica's capacity, least recently used first. The chain travels as one argument of 8 bytes
-per block.
+
+The blocks held of any chain always form a prefix of it: a block's hash stands for its whole
+prefix, so every recorded chain that holds block j+1 holds block j too; recording stamps the
+earlier blocks as more recently used; and trimming removes the least recently used first. A
+lookup therefore gallops and bisects along the chain, O(log m) probes per replica for an m-block
+match, all candidate replicas in one round trip (a Lua script). A record is one round trip too:
+it stamps the chain's blocks, root newest, and trims the set to the replica's capacity. The
+chain travels as one argument of 8 bytes per block.
 """
 
 from __future__ import annotations
@@ -17,24 +20,26 @@ from typing import Sequence
 import redis.asyncio as aioredis
 
 _LOOKUP = """
+-- The blocks the index holds of any chain form a prefix of it (see the module docstring), so the
+-- match length is found by galloping, then bisecting: O(log m) probes for an m-block match.
 local chain = ARGV[1]
 local blocks = #chain / 8
+local function has(key, j)
+  return redis.call('ZSCORE', key, string.sub(chain, 8 * j - 7, 8 * j)) ~= false
+end
 local out = {}
 for i, key in ipairs(KEYS) do
-  -- batches of 16, 32, 64, ... blocks: a few calls even for long matches, and a miss early on
-  -- costs one small batch, so the work follows the matched length
-  local n, step, done = 0, 16, false
-  while not done and n < blocks do
-    local last = math.min(blocks, n + step)
-    local members = {}
-    for j = n + 1, last do members[#members + 1] = string.sub(chain, 8 * j - 7, 8 * j) end
-    local scores = redis.call('ZMSCORE', key, unpack(members))
-    for k = 1, #members do
-      if scores[k] then n = n + 1 else done = true break end
-    end
-    step = math.min(step * 2, 1024)
+  local lo, hi = 0, nil  -- block lo is held (0: none checked), block hi is not
+  local probe = 1
+  while probe <= blocks do
+    if has(key, probe) then lo = probe; probe = probe * 2 else hi = probe; break end
   end
-  out[i] = n
+  if hi == nil then hi = blocks + 1 end
+  while hi - lo > 1 do
+    local mid = math.floor((lo + hi) / 2)
+    if has(key, mid) then lo = mid else hi = mid end
+  end
+  out[i] = lo
 end
 return out
 """
