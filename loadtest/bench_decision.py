@@ -63,7 +63,7 @@ async def bench(backend: str, entries: int, decisions: int, seed: int) -> dict[s
     while filled < entries:
         prompt = text(rng, SIZES[-1] * 4)
         prefixes.append(prompt)
-        chain = matcher.key("/v1/completions", {"prompt": prompt}, "m").chains(BLOCK)[0]
+        chain = (await matcher.key("/v1/completions", {"prompt": prompt}, "m")).chains(BLOCK)[0]
         await index.record("m", replicas[len(prefixes) % 3].name, chain, 10_000_000)
         filled += len(chain)
     out: dict[str, dict[str, float]] = {}
@@ -78,7 +78,7 @@ async def bench(backend: str, entries: int, decisions: int, seed: int) -> dict[s
             payload = {"model": "m", "prompt": prompt}
             t0 = time.perf_counter()
             req = RouteRequest(model="m", request_id="b", endpoint="/v1/completions")
-            req.key = matcher.key("/v1/completions", payload, "m")
+            req.key = await matcher.key("/v1/completions", payload, "m")
             await matcher.annotate(req, replicas)
             policy.choose(req, replicas)
             times.append(time.perf_counter() - t0)

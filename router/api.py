@@ -115,7 +115,7 @@ class ProxyEndpoint:
         route = RouteRequest(model=model, request_id=request_id, endpoint=self.path, session_id=session)
         matcher = self.gw.matcher
         if matcher is not None:
-            route.key = matcher.key(self.path, payload, model)
+            route.key = await matcher.key(self.path, payload, model, len(body))
         call = Call(
             path=self.path, body=body, model=model, stream=payload.get("stream") is True,
             request_id=request_id, headers=client_headers(headers), started=started, route=route,

@@ -86,8 +86,13 @@ def serve(config: RouterConfig) -> int:
     logs.setup(config.log.level, config.log.json_format)
     if not config.replicas:
         log.warning("no replicas configured: every request will get 503")
+    try:
+        app = build_app(config)
+    except ConfigError as e:
+        sys.stderr.write(f"kvroute: {e}\n")
+        return 2
     server = Server(uvicorn.Config(
-        build_app(config), host=config.host, port=config.port, loop="auto", http="httptools",
+        app, host=config.host, port=config.port, loop="auto", http="httptools",
         lifespan="on", log_config=None, access_log=False, server_header=False,
         timeout_graceful_shutdown=config.shutdown_grace_s, timeout_keep_alive=75, backlog=4096,
     ))

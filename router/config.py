@@ -146,6 +146,10 @@ class IndexConfig(_Model):
 
 class PrefixConfig(_Model):
     bytes_per_token: int = Field(4, ge=1, le=16, description="without a tokenizer, a token counts as this many bytes")
+    tokenizer: str | None = Field(None, description="tokenizer.json or model folder used for every model "
+                                  "(needs the tokenizer extra); unset = byte mode")
+    tokenizers: dict[str, str] = Field(default_factory=dict, description="model name -> tokenizer.json or model "
+                                       "folder, for models that need their own")
 
 
 class CacheAwareConfig(_Model):

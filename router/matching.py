@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Sequence
 
-from .config import IndexConfig, PrefixConfig
+from .config import ConfigError, IndexConfig, PrefixConfig
 from .events import Event, ReplicaRemoved, ReplicaRestarted
 from .index import PrefixIndex, build_index
 from .index.memory import MemoryIndex
@@ -26,8 +26,18 @@ from .metrics import Metrics
 from .policy import RouteRequest
 from .pool import Replica, ReplicaPool
 from .prefix import PromptKey, key_for
+from .tokenizer import LocalTokenizer, TokenizerError
 
 log = logging.getLogger("kvroute.matching")
+
+_INLINE_TOKENIZE_BYTES = 8192
+
+
+def _load(field: str, path: str) -> LocalTokenizer:
+    try:
+        return LocalTokenizer(path)
+    except TokenizerError as e:
+        raise ConfigError(f"invalid configuration:\n  {field}: {e}") from None
 
 
 def cached_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> int:
@@ -47,6 +57,8 @@ class Matcher:
         self._shared_down_until = 0.0
         self._background: set[asyncio.Task[Any]] = set()
         self._m_lookup = metrics.index_lookup
+        self._default_tokenizer = _load("prefix.tokenizer", prefix.tokenizer) if prefix.tokenizer else None
+        self._tokenizers = {m: _load(f"prefix.tokenizers.{m}", p) for m, p in prefix.tokenizers.items()}
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._max_sessions = 100_000
         self._sizes_task: asyncio.Task[None] | None = None
@@ -95,10 +107,15 @@ class Matcher:
 
     # -- keys --------------------------------------------------------------------------------
 
-    def key(self, path: str, payload: dict[str, Any], model: str | None) -> PromptKey | None:
+    async def key(self, path: str, payload: dict[str, Any], model: str | None,
+                  body_size: int = 0) -> PromptKey | None:
         if model is None:
             return None
-        return key_for(path, payload, model, self.prefix.bytes_per_token)
+        tokenizer = self._tokenizers.get(model, self._default_tokenizer)
+        if tokenizer is not None and body_size > _INLINE_TOKENIZE_BYTES:
+            # long prompts are tokenized off the event loop (the tokenizers package releases the GIL)
+            return await asyncio.to_thread(key_for, path, payload, model, self.prefix.bytes_per_token, tokenizer)
+        return key_for(path, payload, model, self.prefix.bytes_per_token, tokenizer)
 
     # -- lookup ------------------------------------------------------------------------------
 

@@ -24,9 +24,12 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import xxhash
+
+if TYPE_CHECKING:
+    from .tokenizer import LocalTokenizer
 
 _ROLE = b"\x1e"  # record separator before each message
 _PART = b"\x1f"  # unit separator between the fields of a message
@@ -135,30 +138,43 @@ class PromptKey:
         return got
 
 
-def prompts_of(path: str, payload: dict[str, Any]) -> list[bytes | list[int]] | None:
-    """The canonical prompt(s) of a request body in byte/id form, or None if it has none to key."""
+def prompts_of(path: str, payload: dict[str, Any],
+               tokenizer: "LocalTokenizer | None" = None) -> list[bytes | list[int]] | None:
+    """The canonical prompt(s) of a request body in byte/id form, or None if it has none to key.
+
+    With a tokenizer, text becomes token ids: chat rendered with the model's template (then no
+    special tokens added), completions with the tokenizer's special tokens, as vLLM does.
+    """
     if path == "/v1/chat/completions":
         messages = payload.get("messages")
-        return [chat_bytes(messages)] if isinstance(messages, list) else None
+        if not isinstance(messages, list):
+            return None
+        if tokenizer is not None and tokenizer.has_chat_template:
+            try:
+                return [tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False)]
+            except Exception:  # a template that rejects these messages: key the bytes instead
+                pass
+        return [chat_bytes(messages)]
     if path == "/v1/completions":
         prompt = payload.get("prompt")
         if isinstance(prompt, str):
-            return [_text(prompt)]
+            return [tokenizer.encode(prompt) if tokenizer is not None else _text(prompt)]
         if isinstance(prompt, list) and prompt:
             if all(isinstance(t, int) for t in prompt):
                 return [list(prompt)]
             out: list[bytes | list[int]] = []
             for p in prompt:
                 if isinstance(p, str):
-                    out.append(_text(p))
+                    out.append(tokenizer.encode(p) if tokenizer is not None else _text(p))
                 elif isinstance(p, list) and all(isinstance(t, int) for t in p):
                     out.append(list(p))
             return out or None
     return None
 
 
-def key_for(path: str, payload: dict[str, Any], model: str, bytes_per_token: int = 4) -> PromptKey | None:
-    prompts = prompts_of(path, payload)
+def key_for(path: str, payload: dict[str, Any], model: str, bytes_per_token: int = 4,
+            tokenizer: "LocalTokenizer | None" = None) -> PromptKey | None:
+    prompts = prompts_of(path, payload, tokenizer)
     if not prompts:
         return None
     lora = payload.get("lora_request") or payload.get("lora_name")

@@ -1,0 +1,126 @@
+"""Tokenizer mode: prompt keys from real token blocks of a local tokenizer and chat template."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.prefix import key_for
+from router.tokenizer import LocalTokenizer
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex a jovial mob".split()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny byte-level BPE tokenizer trained here, with a chat template: no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))] * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}))
+    return folder
+
+
+def test_completion_prompts_are_keyed_by_tokens_with_bos(model_dir):
+    tok = LocalTokenizer(model_dir)
+    key = key_for("/v1/completions", {"prompt": "the quick brown fox"}, "m", tokenizer=tok)
+    ids = key.prompts[0]
+    assert isinstance(ids, list) and ids[0] == tok.encode("<s>", add_special_tokens=False)[0]
+    assert key.prompt_tokens() == [len(tok.encode("the quick brown fox"))]
+
+
+def test_chat_is_rendered_with_the_template_and_encoded_once(model_dir):
+    tok = LocalTokenizer(model_dir)
+    messages = [{"role": "user", "content": "the lazy dog"}]
+    key = key_for("/v1/chat/completions", {"messages": messages}, "m", tokenizer=tok)
+    rendered = "<s><|user|>\nthe lazy dog</s>\n<|assistant|>\n"
+    assert tok.render_chat(messages) == rendered
+    assert key.prompts[0] == tok.encode(rendered, add_special_tokens=False)
+
+
+def test_a_folder_or_its_tokenizer_json_load_alike(model_dir):
+    a, b = LocalTokenizer(model_dir), LocalTokenizer(model_dir / "tokenizer.json")
+    assert a.encode("seven wizards") == b.encode("seven wizards")
+    assert a.has_chat_template and b.has_chat_template  # tokenizer_config.json sits beside tokenizer.json
+
+
+def test_missing_tokenizer_stops_start_up_naming_the_field(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "router", "serve", "--replica", "http://127.0.0.1:1", "--set",
+                        f"prefix.tokenizer={tmp_path}/nothing"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "prefix.tokenizer" in p.stderr
+
+
+sentences = st.lists(st.sampled_from(WORDS), min_size=1, max_size=60).map(" ".join)
+
+
+@settings(max_examples=30, deadline=None)
+@given(system=sentences, exchanges=st.lists(st.tuples(sentences, sentences), min_size=2, max_size=4))
+def test_chat_turn_n_plus_1_extends_turn_n_but_for_the_last_block(model_dir, system, exchanges):
+    """Turn n ends with a user message and the generation prompt; turn n+1 adds the assistant's reply after
+    that prompt and a new user message. Only the block holding the end of turn n may differ (a BPE merge
+    across that boundary)."""
+    tok = LocalTokenizer(model_dir)
+    turns, conversation = [], [{"role": "system", "content": system}]
+    for question, answer in exchanges:
+        conversation.append({"role": "user", "content": question})
+        turns.append(list(conversation))
+        conversation.append({"role": "assistant", "content": answer})
+    for before, after in zip(turns, turns[1:]):
+        shorter = key_for("/v1/chat/completions", {"messages": before}, "m", tokenizer=tok).chains(4)[0]
+        longer = key_for("/v1/chat/completions", {"messages": after}, "m", tokenizer=tok).chains(4)[0]
+        assert len(shorter) >= 1 and longer[:len(shorter) - 1] == shorter[:-1]
+
+
+CODE = """
+import json, sys
+from router.prefix import key_for
+from router.tokenizer import LocalTokenizer
+folder, cases = json.loads(sys.stdin.read())
+tok = LocalTokenizer(folder)
+print(json.dumps([key_for(p, b, "m", tokenizer=tok).chains(4) for p, b in cases]))
+"""
+
+
+@settings(max_examples=5, deadline=None)
+@given(prompt=sentences, user=sentences)
+def test_tokenizer_mode_keys_are_the_same_in_every_process(model_dir, prompt, user):
+    tok = LocalTokenizer(model_dir)
+    cases = [("/v1/completions", {"prompt": prompt}),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": user}]})]
+    here = [key_for(p, b, "m", tokenizer=tok).chains(4) for p, b in cases]
+    out = subprocess.run([sys.executable, "-c", CODE], input=json.dumps([str(model_dir), cases]),
+                         capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "random", "PATH": ""})
+    assert json.loads(out.stdout) == here
+
+
+def test_router_with_a_tokenizer_predicts_cached_tokens_in_whole_blocks(cluster, model_dir):
+    import httpx
+    from helpers import replicas_view, wait_until
+    sim = cluster.sim("--ttft-ms", "1", "--itl-ms", "1", "--block-size", "16")
+    rt = cluster.router([], config={"replicas": [{"name": "a", "url": sim.url}],
+                                    "prefix": {"tokenizer": str(model_dir)}})
+    wait_until(lambda: replicas_view(rt)[sim.url]["block_size"] == 16, timeout=5)
+    system = " ".join(WORDS * 30)
+    tok = LocalTokenizer(model_dir)
+    cached = []
+    for q in ("the fox", "the dog"):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        r = httpx.post(rt.url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 1})
+        assert r.status_code == 200
+        cached.append(int(r.headers["x-kvroute-cached-tokens"]))
+    shared = len(tok.encode(tok.render_chat([{"role": "system", "content": system}]), add_special_tokens=False))
+    assert cached[0] == 0
+    assert cached[1] % 16 == 0 and shared - 32 <= cached[1] <= shared + 16
