@@ -504,7 +504,7 @@ async def _json(send: Any, status: int, obj: Any) -> None:
     await _respond(send, status, json.dumps(obj, separators=(",", ":")).encode(), _JSON_HEADERS)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.simulator", description="vLLM stand-in for tests and demos")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9001)
@@ -523,7 +523,11 @@ def main(argv: list[str] | None = None) -> int:
                  "stall_after_chunks"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(Faults(), name))
     p.add_argument("--hang", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     faults = Faults(**{k: getattr(args, k) for k in asdict(Faults())})
     app = VLLMSimulator(args.model, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
                         prefill_us_per_token=args.prefill_us_per_token, max_num_seqs=args.max_num_seqs,
