@@ -111,7 +111,7 @@ def inflight_and_queue(rt):
 def test_full_queue_is_429_with_retry_after(cluster):
     sim, rt = queue_cluster(cluster, size=1, timeout=10)
     out: list = []
-    first = slow_request(rt.url, out)
+    first = slow_request(rt.url, out, max_tokens=200)  # 5 s: time to set the rest up on a loaded machine
     wait_until(lambda: inflight_and_queue(rt) == (1, 0), timeout=3)
     second = slow_request(rt.url, out)
     wait_until(lambda: inflight_and_queue(rt) == (1, 1), timeout=3)
@@ -126,7 +126,7 @@ def test_full_queue_is_429_with_retry_after(cluster):
 def test_queue_wait_longer_than_the_timeout_is_429(cluster):
     sim, rt = queue_cluster(cluster, size=4, timeout=0.3)
     out: list = []
-    first = slow_request(rt.url, out, max_tokens=60)
+    first = slow_request(rt.url, out, max_tokens=200)
     wait_until(lambda: inflight_and_queue(rt) == (1, 0), timeout=3)
     start = time.monotonic()
     r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
@@ -140,7 +140,8 @@ def test_queue_wait_longer_than_the_timeout_is_429(cluster):
 def test_queue_is_first_in_first_out(cluster):
     sim, rt = queue_cluster(cluster, size=8, timeout=10)
     out: list = []
-    threads = [slow_request(rt.url, out, max_tokens=60)]
+    # the blocking request lasts 5 s (200 tokens x 25 ms): time to queue the others on a loaded machine
+    threads = [slow_request(rt.url, out, max_tokens=200)]
     wait_until(lambda: inflight_and_queue(rt)[0] == 1, timeout=3)
     order = []
     def queued(i):

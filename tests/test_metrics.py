@@ -63,7 +63,7 @@ def test_inflight_queue_and_rejections_while_busy(cluster):
                                     "queue": {"max_size": 1, "timeout_s": 10}})
     results = []
     def run():
-        results.append(httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 40},
+        results.append(httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 150},
                                   timeout=20).status_code)
     threads = [threading.Thread(target=run) for _ in range(3)]
     for t in threads:
