@@ -34,6 +34,8 @@ class Proc:
     port: int
     env: dict[str, str] | None = None
     log_path: Path | None = None
+    # own process group: stop() and kill() reach the children too (vLLM runs an engine process)
+    group: bool = False
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -51,7 +53,7 @@ class Proc:
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.popen = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL)
+                                      stdin=subprocess.DEVNULL, start_new_session=self.group)
         return self
 
     def wait_http(self, path: str = "/health", timeout: float = 20.0, want: int = 200) -> None:
@@ -80,10 +82,20 @@ class Proc:
         if self.popen is not None and self.popen.poll() is None:
             os.kill(self.popen.pid, sig)
 
+    def _signal_group(self, sig: int) -> None:
+        assert self.popen is not None
+        try:
+            if self.group:
+                os.killpg(self.popen.pid, sig)  # the group's id is the PID of the process started here
+            else:
+                self.popen.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
     def kill(self) -> None:
         """SIGKILL and reap: the process dies as a crashed replica would."""
         if self.popen is not None and self.popen.poll() is None:
-            self.popen.kill()
+            self._signal_group(signal.SIGKILL)
             self.popen.wait(5)
 
     def stop(self, timeout: float = 10.0) -> int | None:
@@ -91,12 +103,14 @@ class Proc:
         if self.popen is None:
             return None
         if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
+            self._signal_group(signal.SIGTERM)
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.popen.kill()
+                self._signal_group(signal.SIGKILL)
                 self.popen.wait(5)
+        if self.group:  # children that outlived the leader
+            self._signal_group(signal.SIGKILL)
         return self.popen.returncode
 
     def restart(self) -> "Proc":

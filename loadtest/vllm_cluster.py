@@ -1,0 +1,125 @@
+"""Real vLLM CPU replicas on 127.0.0.1, for the end-to-end tests and the real-vLLM benchmark.
+
+    python -m loadtest.vllm_cluster --replicas 2 [--num-gpu-blocks 64] [--block-size 128]
+
+starts K replicas of the project's tiny Llama (``deploy/setup-vllm.sh`` builds the environment and
+the model once, then reuses them), waits until every ``/health`` answers, prints their URLs and
+stops them (their whole process groups: vLLM runs an engine process beside its API server) on
+Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .cluster import ROOT, Proc, free_port
+
+MODEL_NAME = "tiny"
+
+
+def setup() -> Path:
+    """Run the (cached) setup script; returns the folder holding ``venv`` and ``tiny-llama``."""
+    out = subprocess.run(["bash", str(ROOT / "deploy" / "setup-vllm.sh")], cwd=ROOT, check=True,
+                         stdout=subprocess.PIPE, text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def model_dir(home: Path) -> Path:
+    return home / "tiny-llama"
+
+
+def replica(home: Path, port: int | None = None, num_gpu_blocks: int = 64, block_size: int = 128,
+            log_dir: Path | None = None, name: str | None = None, max_num_seqs: int = 16,
+            extra: tuple[str, ...] = ()) -> Proc:
+    """A vLLM replica serving the tiny model as ``tiny`` (not started)."""
+    port = port or free_port()
+    name = name or f"vllm-{port}"
+    argv = [str(home / "venv" / "bin" / "vllm"), "serve", str(model_dir(home)), "--served-model-name", MODEL_NAME,
+            "--host", "127.0.0.1", "--port", str(port), "--block-size", str(block_size),
+            "--enable-prefix-caching", "--max-model-len", "4096", "--max-num-seqs", str(max_num_seqs),
+            "--num-gpu-blocks-override", str(num_gpu_blocks), "--disable-uvicorn-access-log", *extra]
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+           # several replicas share 2 cores: no pinning to one core each, one thread each
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    return Proc(name, argv, port, env=env, log_path=(log_dir / f"{name}.log") if log_dir else None, group=True)
+
+
+def start(procs: list[Proc], timeout: float = 600.0) -> list[Proc]:
+    """Start every replica at once and wait until each answers ``/health``; on failure stop them all."""
+    for p in procs:
+        p.start()
+    try:
+        errors: list[BaseException] = []
+
+        def wait(p: Proc) -> None:
+            try:
+                p.wait_http("/health", timeout=timeout)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+
+        threads = [threading.Thread(target=wait, args=(p,)) for p in procs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+    except BaseException:
+        for p in procs:
+            p.stop(timeout=10)
+        raise
+    return procs
+
+
+def metrics(url: str) -> dict[str, float]:
+    """A replica's ``vllm:*`` samples summed over their labels (``_total`` kept in counter names)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    text = httpx.get(url + "/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("vllm:"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.vllm_cluster", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--num-gpu-blocks", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--log-dir", type=Path, default=ROOT / "loadtest" / "out" / "vllm")
+    args = ap.parse_args(argv)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    home = setup()
+    procs = start([replica(home, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
+                           log_dir=args.log_dir) for _ in range(args.replicas)])
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for p in procs:
+        sys.stdout.write(f"{p.url}  (pid {p.pid}, log {p.log_path})\n")
+    sys.stdout.flush()
+    try:
+        while not stop.is_set() and all(p.popen and p.popen.poll() is None for p in procs):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            p.stop(timeout=15)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

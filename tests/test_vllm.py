@@ -1,0 +1,171 @@
+"""kvroute in front of real vLLM CPU replicas (marker ``vllm``: ``./tests/run.sh -m vllm``).
+
+Two replicas of the project's tiny Llama (``deploy/setup-vllm.sh`` builds it once and caches it),
+with KV caches of different sizes so that what the router learns from ``/metrics`` is visibly
+per replica. The tests in this module share the replicas; the one that kills a replica runs last.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from conftest import Cluster
+from helpers import replicas_view, sse_events, wait_until
+from loadtest import vllm_cluster
+from loadtest.cluster import Proc
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+BLOCKS = (64, 96)  # --num-gpu-blocks-override of replica 0 and 1 (block size 128 tokens)
+
+
+@pytest.fixture(scope="module")
+def home() -> Path:
+    return vllm_cluster.setup()
+
+
+@pytest.fixture(scope="module")
+def replicas(home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
+    log_dir = tmp_path_factory.mktemp("vllm")
+    procs = vllm_cluster.start([vllm_cluster.replica(home, num_gpu_blocks=n, log_dir=log_dir, name=f"vllm-{i}")
+                                for i, n in enumerate(BLOCKS)])
+    yield procs
+    for p in procs:
+        p.stop(timeout=15)
+    for p in procs:
+        assert p.popen is not None and p.popen.poll() is not None
+
+
+@pytest.fixture(scope="module")
+def gateway(replicas: list[Proc], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """A router with no configuration but the replicas' URLs."""
+    c = Cluster(tmp_path_factory.mktemp("router"))
+    rt = c.router(replicas, wait_ready=False)
+    rt.wait_http("/ready", timeout=30)
+    yield rt
+    c.stop_all()
+
+
+def client(rt: Proc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=rt.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def replica_of(rt: Proc, name: str, replicas: list[Proc]) -> Proc:
+    return next(p for p in replicas if f"127.0.0.1:{p.port}" == name)
+
+
+MESSAGES = [{"role": "system", "content": "alpha bravo charlie delta echo"},
+            {"role": "user", "content": "foxtrot golf hotel?"}]
+
+
+def test_chat_through_the_gateway_is_well_formed(gateway, replicas):
+    raw = client(gateway).chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=8)
+    out = raw.parse()
+    assert raw.headers["x-kvroute-replica"].startswith("127.0.0.1:")
+    assert out.object == "chat.completion" and out.model == "tiny"
+    assert out.choices[0].message.role == "assistant" and isinstance(out.choices[0].message.content, str)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    tok = httpx.post(replicas[0].url + "/tokenize", json={"model": "tiny", "messages": MESSAGES}, timeout=10).json()
+    assert out.usage.prompt_tokens == tok["count"] > 0
+    assert 0 < out.usage.completion_tokens <= 8
+
+
+def test_streaming_chat_through_the_gateway_is_well_formed(gateway):
+    chunks = list(client(gateway).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens <= 8
+    finished = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finished) == 1
+
+
+def test_completions_through_the_gateway_are_well_formed(gateway):
+    out = client(gateway).completions.create(model="tiny", prompt="alpha bravo charlie", max_tokens=6)
+    assert out.object == "text_completion" and isinstance(out.choices[0].text, str)
+    assert out.usage.completion_tokens <= 6 and out.usage.prompt_tokens > 0
+    chunks = list(client(gateway).completions.create(model="tiny", prompt="alpha bravo charlie", max_tokens=6,
+                                                      stream=True))
+    assert chunks and all(c.object == "text_completion" for c in chunks)
+    assert sum(1 for c in chunks if c.choices[0].finish_reason) == 1
+
+
+def test_router_learns_block_size_and_kv_capacity_from_metrics(gateway, replicas):
+    view = replicas_view(gateway)
+    for proc, blocks in zip(replicas, BLOCKS):
+        assert view[proc.url]["block_size"] == 128
+        assert view[proc.url]["num_gpu_blocks"] == blocks
+
+
+def test_client_disconnect_mid_stream_makes_vllm_abort(gateway, replicas):
+    body = {"model": "tiny", "prompt": "alpha bravo", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", gateway.url + "/v1/completions", json=body) as r:
+            target = replica_of(gateway, r.headers["x-kvroute-replica"], replicas)
+            lines = r.iter_lines()
+            for _ in range(10):
+                next(lines)
+            before = vllm_cluster.metrics(target.url)
+            assert before["vllm:num_requests_running"] >= 1
+        # the client is gone: the stream is closed here
+    took = wait_until(lambda: vllm_cluster.metrics(target.url)["vllm:num_requests_running"] == 0,
+                      timeout=5, interval=0.05)
+    generated = vllm_cluster.metrics(target.url)["vllm:generation_tokens_total"] - before[
+        "vllm:generation_tokens_total"]
+    assert generated < 2500, f"vLLM kept generating ({generated:.0f} more tokens) after the client left"
+    assert took < 5
+
+
+def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(gateway, replicas):
+    victim = replicas[0]
+    results: list[tuple[float, bool, bool, str]] = []  # (sent_at, started_streaming, complete, replica)
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def loop(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            sent, started, complete, replica = time.monotonic(), False, False, ""
+            body = {"model": "tiny", "messages": [{"role": "user", "content": f"client {i} request {n}"}],
+                    "max_tokens": 48, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=60) as r:
+                    replica = r.headers.get("x-kvroute-replica", "")
+                    events = []
+                    for chunk in r.iter_bytes():
+                        started = started or b"data: {" in chunk
+                        events.append(chunk)
+                    ev = sse_events(b"".join(events))
+                    complete = r.status_code == 200 and ev[-1:] == ["[DONE]"] and not any('"error"' in e for e in ev)
+            except httpx.HTTPError:
+                pass
+            with lock:
+                results.append((sent, started, complete, replica))
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: replicas_view(gateway)[victim.url]["inflight"] >= 1, timeout=30)
+    victim.kill()
+    killed = time.monotonic()
+    wait_until(lambda: not replicas_view(gateway)[victim.url]["ready"], timeout=10)
+    time.sleep(3.0)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    lost = [(round(s - killed, 2), rep) for s, started, complete, rep in results if not complete and not started]
+    assert not lost, f"requests that had not started streaming failed: {lost}"
+    after = [r for r in results if r[0] > killed + 0.5]
+    assert after and all(c and rep != f"127.0.0.1:{victim.port}" for _, _, c, rep in after)
+    broken = [r for r in results if not r[2]]
+    # the only failures allowed are streams already running on the victim (they end with an SSE error)
+    assert all(started for _, started, _, _ in broken)
