@@ -37,8 +37,11 @@ def model_dir(home: Path) -> Path:
 
 def replica(home: Path, port: int | None = None, num_gpu_blocks: int = 64, block_size: int = 128,
             log_dir: Path | None = None, name: str | None = None, max_num_seqs: int = 16,
-            extra: tuple[str, ...] = ()) -> Proc:
-    """A vLLM replica serving the tiny model as ``tiny`` (not started)."""
+            extra: tuple[str, ...] = (), dev_mode: bool = False) -> Proc:
+    """A vLLM replica serving the tiny model as ``tiny`` (not started).
+
+    ``dev_mode`` enables vLLM's development endpoints, such as ``POST /reset_prefix_cache``.
+    """
     port = port or free_port()
     name = name or f"vllm-{port}"
     argv = [str(home / "venv" / "bin" / "vllm"), "serve", str(model_dir(home)), "--served-model-name", MODEL_NAME,
@@ -49,6 +52,8 @@ def replica(home: Path, port: int | None = None, num_gpu_blocks: int = 64, block
            # several replicas share 2 cores: no pinning to one core each, one thread each
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     return Proc(name, argv, port, env=env, log_path=(log_dir / f"{name}.log") if log_dir else None, group=True)
 
 
@@ -93,17 +98,31 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def cache_config(url: str) -> dict[str, str]:
+    """The labels of a replica's ``vllm:cache_config_info`` (block_size, num_gpu_blocks, ...)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
+        for s in family.samples:
+            if s.name == "vllm:cache_config_info":
+                return dict(s.labels)
+    raise LookupError(f"{url}/metrics has no vllm:cache_config_info")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.vllm_cluster", description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--num-gpu-blocks", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--dev-mode", action="store_true", help="enable vLLM's development endpoints "
+                    "(POST /reset_prefix_cache, used by loadtest.bench_vllm --use)")
     ap.add_argument("--log-dir", type=Path, default=ROOT / "loadtest" / "out" / "vllm")
     args = ap.parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     home = setup()
     procs = start([replica(home, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
-                           log_dir=args.log_dir) for _ in range(args.replicas)])
+                           log_dir=args.log_dir, dev_mode=args.dev_mode) for _ in range(args.replicas)])
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     for p in procs:

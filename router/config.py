@@ -64,6 +64,9 @@ class ReplicaConfig(_Model):
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="devices in the replica's tensor-parallel group")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="pipeline stages (nodes) of the replica")
     max_num_seqs: int = Field(256, ge=1, description="vLLM's --max-num-seqs: the most requests kept in flight on it")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="vLLM's --max-num-batched-tokens: prompt tokens one "
+                                        "scheduler step takes; queued prefill that fits in a step beside a new "
+                                        "request does not delay it")
     speed: float | None = Field(None, gt=0, description="relative throughput; default: device_speed(platform) x TP x PP")
     api_key: SecretStr | None = Field(None, description="bearer token sent to this replica")
     block_size: int | None = Field(None, ge=1, description="KV block size in tokens; default: from the replica's "
@@ -133,7 +136,9 @@ class IndexConfig(_Model):
     backend: str = Field("memory", description="memory, or redis://HOST:PORT/DB to share the index between routers")
     namespace: str = Field("kvroute", min_length=1, description="prefix of every Redis key")
     timeout_s: float = Field(0.05, gt=0, description="a Redis call slower than this falls back to the local index")
-    retry_after_s: float = Field(1.0, gt=0, description="after a Redis failure, use the local index this long")
+    retry_after_s: float = Field(1.0, gt=0, description="once Redis looks down, use only the local index this long")
+    trip_after: int = Field(3, ge=1, description="timeouts in a row after which Redis counts as down (any other "
+                            "error counts at once); a lone timeout only sends that request to the local index")
     default_blocks: int = Field(16384, ge=1, description="KV blocks assumed for a replica whose size is unknown")
 
     @field_validator("backend")
@@ -160,7 +165,11 @@ class CacheAwareConfig(_Model):
     kv_threshold: float = Field(0.9, ge=0, lt=1, description="KV cache usage below which the KV term is 0; it "
                                 "grows linearly to kv_weight_s at full usage")
     session_bonus_s: float = Field(0.05, ge=0, description="cost taken off the replica that served the session last")
-    occupancy_weight_s: float = Field(0.01, ge=0, description="seconds of cost for a replica whose cache the index "
+    evict_weight: float = Field(1.0, ge=0, description="cost of evicting cached prefixes, per unit of prefill: the "
+                                "uncached tokens that do not fit in the free part of a replica's cache (as the "
+                                "index sees it) count this many times more, since the prefixes they push out will "
+                                "be recomputed later; 0 turns it off")
+    occupancy_weight_s: float = Field(0.1, ge=0, description="seconds of cost for a replica whose cache the index "
                                       "sees full: new prefixes go where they evict least")
 
 

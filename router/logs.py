@@ -12,7 +12,7 @@ import time
 
 # attributes the gateway passes with ``extra=`` that belong in every line that has them
 _FIELDS = ("request_id", "replica", "model", "status", "outcome", "attempts", "ttfb_ms", "upstream_ttfb_ms", "duration_ms",
-           "stream")
+           "stream", "prompt_tokens", "cached_tokens", "decision")
 
 
 class JsonFormatter(logging.Formatter):

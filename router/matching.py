@@ -55,6 +55,7 @@ class Matcher:
         self.shared: PrefixIndex | None = None if index.backend == "memory" else build_index(
             index.backend, namespace=index.namespace, timeout_s=index.timeout_s)
         self._shared_down_until = 0.0
+        self._consecutive_failures = 0
         self._background: set[asyncio.Task[Any]] = set()
         self._m_lookup = metrics.index_lookup
         self._default_tokenizer = _load("prefix.tokenizer", prefix.tokenizer) if prefix.tokenizer else None
@@ -123,52 +124,65 @@ class Matcher:
         return self.shared is not None and time.monotonic() >= self._shared_down_until
 
     def _shared_failed(self, op: str, e: BaseException) -> None:
+        """Count a failed Redis call; stop asking Redis for a while once it looks down.
+
+        A lone slow answer (a timeout) on a busy machine only sends that request to the local index;
+        ``index.trip_after`` timeouts in a row, or any other error (refused, reset), trip the fallback.
+        """
         self.metrics.index_errors.labels(op).inc()
+        self._consecutive_failures += 1
+        if isinstance(e, TimeoutError) and self._consecutive_failures < self.cfg.trip_after:
+            return
         if time.monotonic() >= self._shared_down_until:
             log.warning("Redis index %s failed (%s); using the local index for %.1f s", op,
                         e.__class__.__name__, self.cfg.retry_after_s)
         self._shared_down_until = time.monotonic() + self.cfg.retry_after_s
         self.metrics.index_fallback.set(1)
 
+    def _shared_ok(self) -> None:
+        self._consecutive_failures = 0
+        self.metrics.index_fallback.set(0)
+
     async def annotate(self, req: RouteRequest, replicas: Sequence[Replica]) -> None:
-        """Fill ``req.cached`` for every replica that could serve the request."""
+        """Fill ``req.cached`` and ``req.occupancy`` for every replica that could serve the request."""
         key = req.key
         if key is None or req.model is None:
             return
         tokens = key.prompt_tokens()
         req.prompt_tokens = sum(tokens)
-        names_by_block: dict[int, list[Replica]] = {}
+        by_block: dict[int, list[Replica]] = {}
         for r in replicas:
             if r.ready and req.model in r.models:
-                names_by_block.setdefault(r.block_size, []).append(r)
-                req.occupancy[r.name] = min(1.0, self.local.size_now(req.model, r.name) / r.kv_blocks)
+                by_block.setdefault(r.block_size, []).append(r)
         started = time.perf_counter()
-        for block, group in names_by_block.items():
+        for block, group in by_block.items():
             names = [r.name for r in group]
             matched = {n: 0 for n in names}
+            held = {n: 0 for n in names}
             # one lookup per prompt; a batch of prompts is keyed prompt by prompt
             for chain, n_tokens in zip(key.chains(block), tokens):
-                found = await self._lookup(req.model, chain, names, req)
-                for name, blocks in found.items():
+                for name, (blocks, size) in (await self._probe(req.model, chain, names, req)).items():
                     matched[name] += cached_tokens(blocks, block, n_tokens)
+                    held[name] = size
             req.cached.update(matched)
+            for r in group:
+                req.occupancy[r.name] = min(1.0, held[r.name] / r.kv_blocks)
         self._m_lookup.observe(time.perf_counter() - started)
 
-    async def _lookup(self, model: str, chain: list[int], names: list[str], req: RouteRequest) -> dict[str, int]:
-        if not chain:
-            return {n: 0 for n in names}
-        if self._shared_usable():
+    async def _probe(self, model: str, chain: list[int], names: list[str],
+                     req: RouteRequest) -> dict[str, tuple[int, int]]:
+        if chain and self._shared_usable():  # a prompt shorter than a block is not worth a round trip
             assert self.shared is not None
             try:
                 async with asyncio.timeout(self.cfg.timeout_s):  # no extra task, unlike wait_for
-                    found = await self.shared.lookup(model, chain, names)
-                self.metrics.index_fallback.set(0)
+                    found = await self.shared.probe(model, chain, names)
+                self._shared_ok()
                 return found
             except Exception as e:  # Redis down, slow or confused: route on local knowledge
                 self._shared_failed("lookup", e)
         if self.shared is not None:
             req.index_fallback = True
-        return self.local.lookup_now(model, chain, names)
+        return self.local.probe_now(model, chain, names)
 
     # -- record ------------------------------------------------------------------------------
 
@@ -190,7 +204,10 @@ class Matcher:
         try:
             for chain in chains:
                 await asyncio.wait_for(self.shared.record(model, replica, chain, capacity),
-                                       max(self.cfg.timeout_s, 0.25))
+                                       max(self.cfg.timeout_s, 1.0))
+        except TimeoutError as e:  # off the request's path: slow is not down, lookups decide that
+            self.metrics.index_errors.labels("record").inc()
+            log.debug("Redis index record timed out (%s)", e.__class__.__name__)
         except Exception as e:
             self._shared_failed("record", e)
 

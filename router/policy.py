@@ -103,7 +103,8 @@ class LoadScorer:
 class PredictedTTFTScorer:
     """Prefers the replica expected to produce the first token soonest.
 
-    cost (seconds) = (uncached prompt tokens + prefill tokens already queued there) / prefill rate
+    cost (seconds) = (uncached prompt tokens + queued prefill that will not fit in its step) / prefill rate
+                   + evict_weight x (uncached tokens beyond the free part of its cache) / prefill rate
                    + load_weight_s x load / max_num_seqs
                    + kv_weight_s x (KV cache usage above kv_threshold, scaled to 0..1)
                    + occupancy_weight_s x share of its KV blocks the index holds
@@ -118,14 +119,25 @@ class PredictedTTFTScorer:
 
     def cost(self, req: RouteRequest, replica: Replica) -> float:
         uncached = max(0, req.prompt_tokens - req.cached.get(replica.name, 0))
-        cost = (uncached + replica.pending_prefill) / replica.prefill_rate
+        # vLLM prefills several requests in one scheduler step (chunked prefill): only queued prefill
+        # that does not fit in a step beside this request's own delays it
+        pending = replica.pending_prefill
+        queued = min(pending, max(0, pending + uncached - replica.config.max_num_batched_tokens))
+        cost = (uncached + queued) / replica.prefill_rate
+        occupancy = req.occupancy.get(replica.name, 0.0)
+        if self.cfg.evict_weight and uncached:
+            # what does not fit in the free part of its cache pushes out cached prefixes, which their
+            # owners will have to prefill again: a small shared prefix should not pull new prompts onto
+            # a full replica while others have room
+            free = (1.0 - occupancy) * replica.kv_blocks * replica.block_size
+            cost += self.cfg.evict_weight * max(0.0, uncached - free) / replica.prefill_rate
         cost += self.cfg.load_weight_s * replica.load / replica.slots
         if replica.stats is not None and replica.stats.kv_usage > self.cfg.kv_threshold:
             # only a nearly full cache delays a new request (vLLM queues or preempts then); below
             # that, a scrape up to an interval old would only steer prefixes away from their cache
             over = (replica.stats.kv_usage - self.cfg.kv_threshold) / (1.0 - self.cfg.kv_threshold)
             cost += self.cfg.kv_weight_s * min(1.0, over)
-        cost += self.cfg.occupancy_weight_s * req.occupancy.get(replica.name, 0.0)
+        cost += self.cfg.occupancy_weight_s * occupancy
         if req.session_replica is not None and req.session_replica == replica.name:
             cost -= self.cfg.session_bonus_s
         return max(0.0, cost)

@@ -296,6 +296,7 @@ class Forwarder:
             replica.m_latency.observe(elapsed)
         self.metrics.requests.labels(call.model or "", call.replica, str(call.status)).inc()
         route = call.route
+        decision: dict[str, Any] = {}
         if route.key is not None and call.attempts and self.matcher is not None:
             cached = route.cached.get(call.replica, 0)
             self.metrics.prompt_tokens.labels(call.model or "").inc(route.prompt_tokens)
@@ -307,6 +308,7 @@ class Forwarder:
             else:
                 reason = "load"
             self.metrics.decisions.labels(reason).inc()
+            decision = {"prompt_tokens": route.prompt_tokens, "cached_tokens": cached, "decision": reason}
             if 200 <= call.status < 300:
                 self.matcher.remember_session(route.session_id, call.replica)
         log.info("%s %s -> %s %d %s", call.path, call.model, call.replica, call.status, call.outcome,
@@ -314,7 +316,7 @@ class Forwarder:
                         "status": call.status, "outcome": call.outcome, "attempts": call.attempts,
                         "ttfb_ms": None if call.ttfb is None else round(call.ttfb * 1e3, 2),
                         "upstream_ttfb_ms": None if call.upstream_ttfb is None else round(call.upstream_ttfb * 1e3, 2),
-                        "duration_ms": round(elapsed * 1e3, 2), "stream": call.stream})
+                        "duration_ms": round(elapsed * 1e3, 2), "stream": call.stream, **decision})
 
 
 async def send_error(send: Any, e: GatewayError, request_id: str) -> None:

@@ -52,6 +52,15 @@ def test_lookup_counts_leading_blocks_per_replica(run):
     assert run(go) == {"a": 3, "b": 2, "c": 0}
 
 
+def test_probe_gives_the_match_and_the_blocks_held_per_replica(run):
+    async def go(index):
+        await index.record("m", "a", [1, 2, 3, 4], 100)
+        await index.record("m", "a", [7, 8], 100)
+        await index.record("m", "b", [1], 100)
+        return await index.probe("m", [1, 2, 5], ["a", "b", "c"]), await index.probe("m", [], ["a"])
+    assert run(go) == ({"a": (2, 6), "b": (1, 1), "c": (0, 0)}, {"a": (0, 6)})
+
+
 def test_models_are_separate(run):
     async def go(index):
         await index.record("m1", "a", [1, 2], 100)

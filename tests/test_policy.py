@@ -115,3 +115,48 @@ def test_kv_usage_costs_nothing_until_the_cache_is_nearly_full():
 def test_cached_prefix_lowers_the_cost_by_its_prefill_time():
     r = replica("a", prefill_tokens_per_s=1000)
     assert cache_aware_cost(r, cached=0) - cache_aware_cost(r, cached=768) == pytest.approx(0.768)
+
+
+def choose_cache_aware(pool, prompt_tokens, cached, occupancy):
+    from router.policy import build_policy
+    r = req()
+    r.prompt_tokens, r.cached, r.occupancy = prompt_tokens, cached, occupancy
+    return build_policy("cache-aware").choose(r, pool).replica.name
+
+
+def full_and_empty():
+    # 100 blocks of 16 tokens each: 1600 tokens of KV cache
+    return [replica(n, prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100) for n in ("full", "empty")]
+
+
+def test_a_small_shared_prefix_does_not_pull_a_new_prompt_onto_a_full_replica():
+    # 256 of 1024 tokens cached on a full replica: storing the other 768 there evicts as much
+    assert choose_cache_aware(full_and_empty(), 1024, {"full": 256, "empty": 0}, {"full": 1.0, "empty": 0.0}) == "empty"
+
+
+def test_a_mostly_cached_prompt_stays_on_its_full_replica():
+    assert choose_cache_aware(full_and_empty(), 1024, {"full": 768, "empty": 0}, {"full": 1.0, "empty": 0.0}) == "full"
+
+
+def test_a_cached_prefix_wins_while_its_replica_has_room():
+    assert choose_cache_aware(full_and_empty(), 1024, {"full": 256, "empty": 0}, {"full": 0.2, "empty": 0.0}) == "full"
+
+
+def test_eviction_cost_counts_only_what_does_not_fit():
+    from router.config import CacheAwareConfig
+    from router.policy import PredictedTTFTScorer
+    r = replica("a", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100)
+    rq = req()
+    rq.prompt_tokens, rq.occupancy = 1000, {"a": 0.5}  # 800 tokens free: 200 of the 1000 evict
+    with_evict = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0)).cost(rq, r)
+    without = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0, evict_weight=0)).cost(rq, r)
+    assert with_evict - without == pytest.approx(0.2)
+
+
+def test_queued_prefill_delays_only_what_does_not_fit_in_one_scheduler_step():
+    r = replica("a", prefill_tokens_per_s=1000, max_num_batched_tokens=2048)
+    idle = cache_aware_cost(r, prompt=1024)
+    r.pending_prefill = 1000  # fits beside 1024 new tokens in one 2048-token step
+    assert cache_aware_cost(r, prompt=1024) == pytest.approx(idle)
+    r.pending_prefill = 3000  # 1976 tokens over the step wait for the next steps
+    assert cache_aware_cost(r, prompt=1024) - idle == pytest.approx(1.976)

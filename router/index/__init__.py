@@ -23,6 +23,10 @@ class PrefixIndex(Protocol):
         """For each replica, how many leading blocks of ``chain`` it holds."""
         ...
 
+    async def probe(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """For each replica: (leading blocks of ``chain`` it holds, blocks the index holds for it in all)."""
+        ...
+
     async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> None:
         """``replica`` now holds the blocks of ``chain`` (most recently used first: the root)."""
         ...

@@ -28,6 +28,13 @@ class MemoryIndex:
             out[r] = n
         return out
 
+    async def probe(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> dict[str, tuple[int, int]]:
+        return self.probe_now(model, chain, replicas)
+
+    def probe_now(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> dict[str, tuple[int, int]]:
+        found = self.lookup_now(model, chain, replicas)
+        return {r: (found[r], self.size_now(model, r)) for r in replicas}
+
     async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> None:
         self.record_now(model, replica, chain, capacity)
 

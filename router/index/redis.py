@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 _LOOKUP = """
 -- The blocks the index holds of any chain form a prefix of it (see the module docstring), so the
 -- match length is found by galloping, then bisecting: O(log m) probes for an m-block match.
+-- Returns, per key, the match length and the number of blocks held (ZCARD, O(1)).
 local chain = ARGV[1]
 local blocks = #chain / 8
 local function has(key, j)
@@ -39,7 +40,8 @@ for i, key in ipairs(KEYS) do
     local mid = math.floor((lo + hi) / 2)
     if has(key, mid) then lo = mid else hi = mid end
   end
-  out[i] = lo
+  out[2 * i - 1] = lo
+  out[2 * i] = redis.call('ZCARD', key)
 end
 return out
 """
@@ -74,8 +76,11 @@ class RedisIndex:
     def __init__(self, url: str, namespace: str = "kvroute", timeout_s: float = 0.05) -> None:
         self.url = url
         self.ns = namespace
+        # Lookups are bounded by the caller (index.timeout_s, on the request's path); the socket timeout
+        # only bounds background work (records, forgets), which may wait a little longer on a busy host.
+        io_timeout = max(1.0, timeout_s)
         self.client = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
+            url, socket_timeout=io_timeout, socket_connect_timeout=io_timeout, retry_on_timeout=False,
             health_check_interval=0, max_connections=64)
         self._lookup = self.client.register_script(_LOOKUP)
         self._record = self.client.register_script(_RECORD)
@@ -92,10 +97,14 @@ class RedisIndex:
         return struct.pack(f">{len(chain)}Q", *chain)
 
     async def lookup(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
-        if not chain or not replicas:
-            return {r: 0 for r in replicas}
-        counts = await self._lookup(keys=[self.key(model, r) for r in replicas], args=[self._packed(chain)])
-        return {r: int(n) for r, n in zip(replicas, counts)}
+        return {r: m for r, (m, _) in (await self.probe(model, chain, replicas)).items()}
+
+    async def probe(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> dict[str, tuple[int, int]]:
+        if not replicas:
+            return {}
+        # an empty chain still asks for the sizes: the script then matches nothing
+        out = await self._lookup(keys=[self.key(model, r) for r in replicas], args=[self._packed(chain)])
+        return {r: (int(out[2 * i]), int(out[2 * i + 1])) for i, r in enumerate(replicas)}
 
     async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> None:
         if not chain:

@@ -1,0 +1,391 @@
+"""Hit rate on real vLLM: routing policies compared by vLLM's own prefix-cache counters.
+
+    python -m loadtest.bench_vllm [--quick] [--out loadtest/RESULTS.md]
+
+Starts 3 vLLM CPU replicas of the project's tiny Llama (``deploy/setup-vllm.sh``) with small KV
+caches, so that each workload's prefix working set is larger than one replica's cache and smaller
+than the three together, then runs two workloads built with the tiny model's tokenizer (exact
+token counts) through kvroute under each policy:
+
+- ``shared-prefix``: groups of requests sharing a long system prompt, each with its own question;
+- ``multi-turn``: conversations whose turn n+1 resends turn n with one more exchange, all under
+  one short application system prompt; a conversation's turns are sent one after the other.
+
+Policies: round-robin, least-loaded, cache-aware with the in-process index, cache-aware with the
+Redis index shared by two router processes (clients alternate between them), all with the
+tokenizer configured, and cache-aware in byte mode (no tokenizer) to measure its gap. Between runs
+every replica's prefix cache is reset (``/reset_prefix_cache``) and the routers are new.
+
+The hit rate is delta(``vllm:prefix_cache_hits_total``) / delta(``vllm:prefix_cache_queries_total``)
+summed over the replicas. For the same request sequence (in the order it was sent) the report also
+gives the hit rate of one infinite cache and of one LRU cache as large as the whole cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from router.prefix import chain_tokens
+from router.tokenizer import LocalTokenizer
+
+from . import vllm_cluster
+from .cluster import Proc, redis_server, router, wait_redis
+
+BLOCK = 128
+
+
+# -- workloads ---------------------------------------------------------------------------------
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+
+
+def text_of_tokens(tok: LocalTokenizer, rng: random.Random, n_tokens: int, head: str = "") -> str:
+    """Random words, exactly ``n_tokens`` tokens long (encoded without special tokens)."""
+    words = [head] if head else []
+    while len(tok.encode(" ".join(words), add_special_tokens=False)) < n_tokens:
+        words.append(rng.choice(WORDS))
+    s = " ".join(words)
+    ids = tok.encode(s, add_special_tokens=False)
+    while len(ids) > n_tokens:  # the last word may have added more than one token
+        s = s[:-1]
+        ids = tok.encode(s, add_special_tokens=False)
+    return s
+
+
+@dataclass
+class Conversation:
+    """A sequence of requests sent one after the other (one request for shared-prefix)."""
+
+    turns: list[list[dict[str, str]]]
+    label: str
+
+
+def shared_prefix(tok: LocalTokenizer, groups: int, prompts: int, system_tokens: int, question_tokens: int,
+                  seed: int) -> list[Conversation]:
+    rng = random.Random(seed)
+    systems = [text_of_tokens(tok, rng, system_tokens, f"group {g}:") for g in range(groups)]
+    out = []
+    for p in range(prompts):
+        order = list(range(groups))
+        rng.shuffle(order)
+        for g in order:
+            q = text_of_tokens(tok, rng, question_tokens, f"q{p}:")
+            out.append(Conversation([[{"role": "system", "content": systems[g]}, {"role": "user", "content": q}]],
+                                    f"g{g}"))
+    return out
+
+
+def multi_turn(tok: LocalTokenizer, conversations: int, turns: int, system_tokens: int, user_tokens: int,
+               reply_tokens: int, seed: int) -> list[Conversation]:
+    rng = random.Random(seed)
+    system = text_of_tokens(tok, rng, system_tokens, "assistant for all users:")
+    out = []
+    for c in range(conversations):
+        history = [{"role": "system", "content": system}]
+        conv = []
+        for t in range(turns):
+            history.append({"role": "user", "content": text_of_tokens(tok, rng, user_tokens, f"user {c} turn {t}:")})
+            conv.append(list(history))
+            history.append({"role": "assistant", "content": text_of_tokens(tok, rng, reply_tokens)})
+        out.append(Conversation(conv, f"c{c}"))
+    return out
+
+
+# -- bounds ------------------------------------------------------------------------------------
+
+
+def usable(n_tokens: int, blocks: int) -> int:
+    """Tokens vLLM serves from cache for ``blocks`` matched blocks: whole blocks, never the last token."""
+    return min(blocks * BLOCK, (n_tokens - 1) // BLOCK * BLOCK)
+
+
+def bound_hit_rate(prompts: list[list[int]], capacity_blocks: int | None) -> float:
+    """Hit rate of one LRU block cache (``None``: infinite) over the prompts in order."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = queries = 0
+    for ids in prompts:
+        chain = chain_tokens(ids, BLOCK, 0)
+        matched = 0
+        for h in chain:
+            if h not in cache:
+                break
+            matched += 1
+        hits += usable(len(ids), matched)
+        queries += len(ids)
+        for h in reversed(chain):  # as vLLM frees a request's blocks tail first: the root stays longest
+            cache[h] = None
+            cache.move_to_end(h)
+        while capacity_blocks is not None and len(cache) > capacity_blocks:
+            cache.popitem(last=False)
+    return hits / queries if queries else 0.0
+
+
+# -- one run -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Sent:
+    messages: list[dict[str, str]]
+    router: int
+    replica: str = ""
+    predicted: int = 0
+    prompt_tokens: int = 0
+    ttfb_s: float = 0.0
+    total_s: float = 0.0
+    ok: bool = False
+
+
+@dataclass
+class RunResult:
+    policy: str
+    hit_rate: float
+    hits: float
+    queries: float
+    predicted: int
+    requests_by_replica: dict[str, int]
+    sent: list[Sent] = field(repr=False)
+    wall_s: float = 0.0
+
+    @property
+    def max_share(self) -> float:
+        counts = list(self.requests_by_replica.values())
+        return max(counts) / statistics.mean(counts) if counts else 0.0
+
+    def latency(self, q: float, attr: str = "ttfb_s") -> float:
+        v = sorted(getattr(s, attr) for s in self.sent if s.ok)
+        return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))] * 1e3 if v else float("nan")
+
+
+async def drive(routers: list[str], conversations: list[Conversation], clients: int, max_tokens: int) -> list[Sent]:
+    """Send every conversation's turns in order, ``clients`` requests at a time, in a fixed arrival order."""
+    queue: deque[tuple[int, int]] = deque((c, 0) for c in range(len(conversations)))
+    sent: list[Sent] = []
+    wake = asyncio.Condition()
+    running = 0
+
+    async def worker(i: int, http: httpx.AsyncClient) -> None:
+        nonlocal running
+        while True:
+            async with wake:
+                while not queue and running:
+                    await wake.wait()
+                if not queue:
+                    return
+                c, t = queue.popleft()
+                running += 1
+            s = Sent(conversations[c].turns[t], router=len(sent) % len(routers))
+            sent.append(s)
+            await send(http, routers[s.router], s, max_tokens)
+            async with wake:
+                running -= 1
+                if t + 1 < len(conversations[c].turns):
+                    queue.append((c, t + 1))
+                wake.notify_all()
+
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=clients * 2)) as http:
+        await asyncio.gather(*(worker(i, http) for i in range(clients)))
+    return sent
+
+
+async def send(http: httpx.AsyncClient, url: str, s: Sent, max_tokens: int) -> None:
+    body = {"model": vllm_cluster.MODEL_NAME, "messages": s.messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        s.replica = r.headers.get("x-kvroute-replica", "")
+        s.predicted = int(r.headers.get("x-kvroute-cached-tokens", "0") or 0)
+        last = b""
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and not s.ttfb_s:
+                s.ttfb_s = time.perf_counter() - t0
+            if line.startswith("data: {"):
+                last = line[6:].encode()
+        s.total_s = time.perf_counter() - t0
+        s.ok = r.status_code == 200 and bool(last)
+        if last:
+            usage = json.loads(last).get("usage") or {}
+            s.prompt_tokens = usage.get("prompt_tokens", 0)
+
+
+def counters(replicas: list[str]) -> dict[str, tuple[float, float]]:
+    out = {}
+    for url in replicas:
+        m = vllm_cluster.metrics(url)
+        out[url.split("//")[-1]] = (m["vllm:prefix_cache_hits_total"], m["vllm:prefix_cache_queries_total"])
+    return out
+
+
+def reset(replicas: list[str]) -> None:
+    for url in replicas:
+        httpx.post(url + "/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+async def run_policy(name: str, args: list[str], routers_n: int, replicas: list[str], convs: list[Conversation],
+                     clients: int, max_tokens: int, log_dir: Path) -> RunResult:
+    reset(replicas)
+    procs = [router(replicas, *args, "--log-json", log_dir=log_dir, name=f"router-{name}-{i}").start()
+             for i in range(routers_n)]
+    try:
+        for p in procs:
+            p.wait_http("/ready", timeout=30)
+        before = counters(replicas)
+        t0 = time.perf_counter()
+        sent = await drive([p.url for p in procs], convs, clients, max_tokens)
+        wall = time.perf_counter() - t0
+        await asyncio.sleep(0.2)
+        after = counters(replicas)
+    finally:
+        for p in procs:
+            p.stop()
+    hits = sum(after[r][0] - before[r][0] for r in after)
+    queries = sum(after[r][1] - before[r][1] for r in after)
+    by_replica = {r: sum(1 for s in sent if s.replica == r) for r in after}
+    failed = [s for s in sent if not s.ok]
+    if failed:
+        raise RuntimeError(f"{name}: {len(failed)} of {len(sent)} requests failed")
+    return RunResult(name, hits / queries if queries else 0.0, hits, queries, sum(s.predicted for s in sent),
+                     by_replica, sent, wall)
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def table(workload: str, desc: str, results: list[RunResult], infinite: float, cluster: float,
+          replica_blocks: list[int]) -> list[str]:
+    rr = next((r.hit_rate for r in results if r.policy == "round-robin"), float("nan"))
+    lines = [f"### {workload}", "", desc, "",
+             f"Bounds for the same request sequence: one infinite cache {infinite:.3f}; one LRU cache of the "
+             f"cluster's {sum(replica_blocks)} blocks ({' + '.join(map(str, replica_blocks))}) {cluster:.3f}.", "",
+             "| policy | hit rate (vLLM) | of cluster bound | x round robin | requests per replica | max/mean share "
+             "| predicted / measured cached tokens | TTFB p50 / p99 ms | wall s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(
+            f"| {r.policy} | {r.hit_rate:.3f} | {r.hit_rate / cluster:.0%} | {r.hit_rate / rr:.2f}x | "
+            f"{' / '.join(str(v) for v in r.requests_by_replica.values())} | {r.max_share:.2f} | "
+            f"{r.predicted / r.hits if r.hits else float('nan'):.3f} | "
+            f"{r.latency(50):.0f} / {r.latency(99):.0f} | {r.wall_s:.0f} |")
+    return lines + [""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.bench_vllm", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a smaller run (for trying the setup)")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--num-gpu-blocks", type=int, default=104, help="KV blocks per replica (128 tokens each)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="write the report here (e.g. loadtest/RESULTS.md)")
+    ap.add_argument("--json", type=Path, help="write the raw figures here")
+    ap.add_argument("--use", nargs="+", metavar="URL", help="running replicas to use instead of starting 3 (vLLM "
+                    "with VLLM_SERVER_DEV_MODE=1, e.g. from python -m loadtest.vllm_cluster --dev-mode)")
+    ap.add_argument("--workload", action="append", choices=["shared-prefix", "multi-turn"], help="only these")
+    ap.add_argument("--policy", action="append", help="only policies whose name contains this")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="passed to every router (kvroute serve --set), to try a knob")
+    args = ap.parse_args(argv)
+
+    home = vllm_cluster.setup()
+    model = vllm_cluster.model_dir(home)
+    tok = LocalTokenizer(model)
+    log_dir = Path(tempfile.mkdtemp(prefix="kvroute-bench-vllm-"))
+    q = args.quick
+    workloads = {
+        "shared-prefix": (
+            shared_prefix(tok, 8 if q else 30, 4 if q else 16, 1024, 64, args.seed),
+            f"{8 if q else 30} groups x {4 if q else 16} prompts: a 1024-token system prompt per group (8 blocks) "
+            "and a 64-token question, rounds over the groups in a new random order each time."),
+        "multi-turn": (
+            multi_turn(tok, 6 if q else 21, 4 if q else 6, 64, 128, 128, args.seed),
+            f"{6 if q else 21} conversations x {4 if q else 6} turns under one 64-token system prompt; each turn adds "
+            "a 128-token user message and resends the previous 128-token assistant reply."),
+    }
+    tokenizer = ["--set", f"prefix.tokenizer={model}"]
+    knobs = [a for kv in args.set for a in ("--set", kv)]
+    started: list[Proc] = [] if args.use else vllm_cluster.start([
+        vllm_cluster.replica(home, num_gpu_blocks=args.num_gpu_blocks, log_dir=log_dir, name=f"vllm-{i}",
+                             dev_mode=True) for i in range(3)], timeout=900)  # dev mode: /reset_prefix_cache
+    replicas = args.use or [p.url for p in started]
+    blocks = [int(vllm_cluster.cache_config(url)["num_gpu_blocks"]) for url in replicas]
+    report: list[str] = []
+    raw: dict[str, Any] = {}
+    redis = redis_server(log_dir=log_dir).start()
+    try:
+        wait_redis(redis)
+        for wl, (convs, desc) in workloads.items():
+            if args.workload and wl not in args.workload:
+                continue
+            policies = [
+                ("round-robin", ["--policy", "round-robin", *tokenizer], 1),
+                ("least-loaded", ["--policy", "least-loaded", *tokenizer], 1),
+                ("cache-aware, memory index", ["--policy", "cache-aware", *tokenizer], 1),
+                ("cache-aware, Redis index, 2 routers",
+                 ["--policy", "cache-aware", "--index", f"redis://127.0.0.1:{redis.port}/0",
+                  "--set", f"index.namespace=bench-{wl}", *tokenizer], 2),
+                ("cache-aware, byte mode (no tokenizer)", ["--policy", "cache-aware"], 1),
+            ]
+            results = []
+            for name, pargs, n in policies:
+                if args.policy and not any(f in name for f in args.policy):
+                    continue
+                r = asyncio.run(run_policy(name.split(",")[0].replace(" ", "-"), pargs + knobs, n, replicas, convs,
+                                           args.clients, 4, log_dir))
+                r.policy = name
+                results.append(r)
+                sys.stderr.write(f"{wl} / {name}: hit rate {r.hit_rate:.3f}, share {r.requests_by_replica}, "
+                                 f"predicted/measured {r.predicted}/{r.hits:.0f}, {r.wall_s:.0f} s\n")
+            # bounds over the sequence the cache-aware (memory) run sent
+            order = next((r for r in results if r.policy.startswith("cache-aware, memory")), results[0]).sent
+            prompts = [tok.encode(tok.render_chat(s.messages), add_special_tokens=False) for s in order]
+            assert all(len(p) == s.prompt_tokens for p, s in zip(prompts, order)), "tokenizer disagrees with vLLM"
+            infinite = bound_hit_rate(prompts, None)
+            cluster = bound_hit_rate(prompts, sum(blocks))
+            one = bound_hit_rate(prompts, max(blocks))
+            report += table(wl, desc + f" One replica's cache alone would reach {one:.3f}.", results, infinite,
+                            cluster, blocks)
+            raw[wl] = {"bounds": {"infinite": infinite, "cluster": cluster, "one_replica": one},
+                       "runs": [{"policy": r.policy, "hit_rate": r.hit_rate, "hits": r.hits, "queries": r.queries,
+                                 "predicted": r.predicted, "requests_by_replica": r.requests_by_replica,
+                                 "ttfb_p50_ms": r.latency(50), "ttfb_p99_ms": r.latency(99), "wall_s": r.wall_s}
+                                for r in results]}
+    finally:
+        redis.stop()
+        for p in started:
+            p.stop(timeout=15)
+    head = ["# Real-vLLM results", "",
+            f"Produced by `python -m loadtest.bench_vllm{' --quick' if q else ''} --out loadtest/RESULTS.md` "
+            f"on 2 CPU cores: {len(replicas)} vLLM {vllm_version(home)} CPU replicas of the project's tiny Llama, "
+            f"with {' / '.join(map(str, blocks))} KV blocks of {BLOCK} tokens, {args.clients} concurrent clients, streaming chat "
+            "requests of 4 output tokens. Hit rates are vLLM's own counters: delta(prefix_cache_hits) / "
+            "delta(prefix_cache_queries) over the three replicas. \"Predicted / measured\" is the sum of kvroute's "
+            "`x-kvroute-cached-tokens` over the sum of vLLM's cache hits.", ""]
+    text = "\n".join(head + report)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps(raw, indent=2))
+    return 0
+
+
+def vllm_version(home: Path) -> str:
+    for d in (home / "venv" / "lib").glob("python*/site-packages/vllm-*+cpu.dist-info"):
+        return d.name.removeprefix("vllm-").removesuffix(".dist-info")
+    return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
