@@ -85,7 +85,11 @@ def start(procs: list[Proc], timeout: float = 600.0) -> list[Proc]:
 
 
 def metrics(url: str) -> dict[str, float]:
-    """A replica's ``vllm:*`` samples summed over their labels (``_total`` kept in counter names)."""
+    """A replica's ``vllm:*`` samples summed over their labels (``_total`` kept in counter names).
+
+    Samples with a ``finished_reason`` label are also kept per reason, e.g.
+    ``vllm:request_success_total{finished_reason="abort"}``.
+    """
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -95,6 +99,9 @@ def metrics(url: str) -> dict[str, float]:
         for s in family.samples:
             if s.name.startswith("vllm:"):
                 out[s.name] = out.get(s.name, 0.0) + s.value
+                if "finished_reason" in s.labels:
+                    key = f'{s.name}{{finished_reason="{s.labels["finished_reason"]}"}}'
+                    out[key] = out.get(key, 0.0) + s.value
     return out
 
 
