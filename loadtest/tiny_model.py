@@ -21,6 +21,7 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu group turn user system "
          "assistant the a of and to in is you that it for").split()
 VOCAB_SIZE = 1024
+MAX_POSITIONS = 32768  # long enough for generations that outlast a scheduler stall in the tests
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
@@ -50,7 +51,7 @@ def build(out: Path) -> None:
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                                        special_tokens=[("<s>", bos)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="</s>", model_max_length=4096)
+                                   pad_token="</s>", model_max_length=MAX_POSITIONS)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
     # Older and newer transformers put the template in different files; keep it in both places
@@ -64,7 +65,7 @@ def build(out: Path) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=4096, bos_token_id=bos, eos_token_id=tok.token_to_id("</s>"),
+                         max_position_embeddings=MAX_POSITIONS, bos_token_id=bos, eos_token_id=tok.token_to_id("</s>"),
                          tie_word_embeddings=True)
     LlamaForCausalLM(config).save_pretrained(str(out))
 

@@ -36,7 +36,7 @@ def model_dir(home: Path) -> Path:
 
 
 def replica(home: Path, port: int | None = None, num_gpu_blocks: int = 64, block_size: int = 128,
-            log_dir: Path | None = None, name: str | None = None, max_num_seqs: int = 16,
+            log_dir: Path | None = None, name: str | None = None, max_num_seqs: int = 16, max_model_len: int = 4096,
             extra: tuple[str, ...] = (), dev_mode: bool = False) -> Proc:
     """A vLLM replica serving the tiny model as ``tiny`` (not started).
 
@@ -46,7 +46,7 @@ def replica(home: Path, port: int | None = None, num_gpu_blocks: int = 64, block
     name = name or f"vllm-{port}"
     argv = [str(home / "venv" / "bin" / "vllm"), "serve", str(model_dir(home)), "--served-model-name", MODEL_NAME,
             "--host", "127.0.0.1", "--port", str(port), "--block-size", str(block_size),
-            "--enable-prefix-caching", "--max-model-len", "4096", "--max-num-seqs", str(max_num_seqs),
+            "--enable-prefix-caching", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
             "--num-gpu-blocks-override", str(num_gpu_blocks), "--disable-uvicorn-access-log", *extra]
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
            # several replicas share 2 cores: no pinning to one core each, one thread each
