@@ -9,7 +9,8 @@ token counts) through kvroute under each policy:
 
 - ``shared-prefix``: groups of requests sharing a long system prompt, each with its own question;
 - ``multi-turn``: conversations whose turn n+1 resends turn n with one more exchange, all under
-  one short application system prompt; a conversation's turns are sent one after the other.
+  one short application system prompt; turn t of every conversation forms round t, rounds in a new
+  random order each, one after the other.
 
 Policies: round-robin, least-loaded, cache-aware with the in-process index, cache-aware with the
 Redis index shared by two router processes (clients alternate between them), all with the
@@ -170,34 +171,33 @@ class RunResult:
         return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))] * 1e3 if v else float("nan")
 
 
-async def drive(routers: list[str], conversations: list[Conversation], clients: int, max_tokens: int) -> list[Sent]:
-    """Send every conversation's turns in order, ``clients`` requests at a time, in a fixed arrival order."""
-    queue: deque[tuple[int, int]] = deque((c, 0) for c in range(len(conversations)))
+async def drive(routers: list[str], conversations: list[Conversation], clients: int, max_tokens: int,
+                seed: int = 0) -> list[Sent]:
+    """Send the conversations' turns in rounds, ``clients`` requests at a time.
+
+    Round t holds turn t of every conversation that has one; round 0 keeps the workload's order,
+    later rounds come in a new random order (seeded) and start once the previous round is done, so
+    turn t+1 never overtakes turn t and no policy profits from a fixed arrival pattern (with a
+    fixed order, round robin would send every turn of a conversation to one replica whenever the
+    number of conversations is a multiple of the number of replicas).
+    """
+    rng = random.Random(seed)
     sent: list[Sent] = []
-    wake = asyncio.Condition()
-    running = 0
-
-    async def worker(i: int, http: httpx.AsyncClient) -> None:
-        nonlocal running
-        while True:
-            async with wake:
-                while not queue and running:
-                    await wake.wait()
-                if not queue:
-                    return
-                c, t = queue.popleft()
-                running += 1
-            s = Sent(conversations[c].turns[t], router=len(sent) % len(routers))
-            sent.append(s)
-            await send(http, routers[s.router], s, max_tokens)
-            async with wake:
-                running -= 1
-                if t + 1 < len(conversations[c].turns):
-                    queue.append((c, t + 1))
-                wake.notify_all()
-
+    rounds = max(len(c.turns) for c in conversations)
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=clients * 2)) as http:
-        await asyncio.gather(*(worker(i, http) for i in range(clients)))
+        for t in range(rounds):
+            queue = deque(c for c in range(len(conversations)) if t < len(conversations[c].turns))
+            if t:
+                rng.shuffle(queue)
+
+            async def worker() -> None:
+                while queue:
+                    c = queue.popleft()
+                    s = Sent(conversations[c].turns[t], router=len(sent) % len(routers))
+                    sent.append(s)
+                    await send(http, routers[s.router], s, max_tokens)
+
+            await asyncio.gather(*(worker() for _ in range(clients)))
     return sent
 
 
@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         "multi-turn": (
             multi_turn(tok, 6 if q else 21, 4 if q else 6, 64, 128, 128, args.seed),
             f"{6 if q else 21} conversations x {4 if q else 6} turns under one 64-token system prompt; each turn adds "
-            "a 128-token user message and resends the previous 128-token assistant reply."),
+            "a 128-token user message and resends the previous 128-token assistant reply; round t (turn t of every "
+            "conversation) comes in a new random order once round t-1 is done."),
     }
     tokenizer = ["--set", f"prefix.tokenizer={model}"]
     knobs = [a for kv in args.set for a in ("--set", kv)]
