@@ -29,21 +29,22 @@ import asyncio
 import json
 import random
 import statistics
+import struct
 import sys
 import tempfile
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from router.prefix import chain_tokens
 from router.tokenizer import LocalTokenizer
 
 from . import vllm_cluster
 from .cluster import Proc, redis_server, router, wait_redis
+from .simulator import PrefixCache
 
 BLOCK = 128
 
@@ -109,29 +110,12 @@ def multi_turn(tok: LocalTokenizer, conversations: int, turns: int, system_token
 # -- bounds ------------------------------------------------------------------------------------
 
 
-def usable(n_tokens: int, blocks: int) -> int:
-    """Tokens vLLM serves from cache for ``blocks`` matched blocks: whole blocks, never the last token."""
-    return min(blocks * BLOCK, (n_tokens - 1) // BLOCK * BLOCK)
-
-
 def bound_hit_rate(prompts: list[list[int]], capacity_blocks: int | None) -> float:
-    """Hit rate of one LRU block cache (``None``: infinite) over the prompts in order."""
-    cache: OrderedDict[int, None] = OrderedDict()
-    hits = queries = 0
-    for ids in prompts:
-        chain = chain_tokens(ids, BLOCK, 0)
-        matched = 0
-        for h in chain:
-            if h not in cache:
-                break
-            matched += 1
-        hits += usable(len(ids), matched)
-        queries += len(ids)
-        for h in reversed(chain):  # as vLLM frees a request's blocks tail first: the root stays longest
-            cache[h] = None
-            cache.move_to_end(h)
-        while capacity_blocks is not None and len(cache) > capacity_blocks:
-            cache.popitem(last=False)
+    """Hit rate of one vLLM prefix cache of ``capacity_blocks`` blocks (``None``: infinite) over the
+    prompts in order, modelled as the stand-in replica models it (``loadtest.simulator.PrefixCache``)."""
+    cache = PrefixCache(block_size=BLOCK, num_blocks=capacity_blocks or 10**12, bytes_per_token=4)
+    hits = sum(cache.admit(struct.pack(f"<{len(ids)}I", *ids), len(ids)) for ids in prompts)
+    queries = sum(len(ids) for ids in prompts)
     return hits / queries if queries else 0.0
 
 
