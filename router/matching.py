@@ -5,8 +5,9 @@ index and fills ``RouteRequest.cached`` with the predicted cached tokens per rep
 routing, :meth:`Matcher.record` tells the index that the chosen replica now holds the prompt.
 
 With a Redis index the router also keeps every decision in its own in-process index. A Redis
-call that fails or takes longer than ``index.timeout_s`` never fails a request: the lookup falls
-back to the local index, the failure is counted and logged, and Redis is left alone for
+call that fails or takes longer than ``index.timeout_s`` never fails a request: that lookup falls
+back to the local index and the failure is counted. Once Redis looks down (an error other than a
+timeout, or ``index.trip_after`` timeouts in a row) it is logged and left alone for
 ``index.retry_after_s`` before it is tried again (the client reconnects by itself).
 """
 
@@ -171,16 +172,16 @@ class Matcher:
 
     async def _probe(self, model: str, chain: list[int], names: list[str],
                      req: RouteRequest) -> dict[str, tuple[int, int]]:
-        if chain and self._shared_usable():  # a prompt shorter than a block is not worth a round trip
-            assert self.shared is not None
-            try:
-                async with asyncio.timeout(self.cfg.timeout_s):  # no extra task, unlike wait_for
-                    found = await self.shared.probe(model, chain, names)
-                self._shared_ok()
-                return found
-            except Exception as e:  # Redis down, slow or confused: route on local knowledge
-                self._shared_failed("lookup", e)
-        if self.shared is not None:
+        # a prompt shorter than a block matches nothing anywhere: its sizes are not worth a round trip
+        if self.shared is not None and chain:
+            if self._shared_usable():
+                try:
+                    async with asyncio.timeout(self.cfg.timeout_s):  # no extra task, unlike wait_for
+                        found = await self.shared.probe(model, chain, names)
+                    self._shared_ok()
+                    return found
+                except Exception as e:  # Redis down, slow or confused: route on local knowledge
+                    self._shared_failed("lookup", e)
             req.index_fallback = True
         return self.local.probe_now(model, chain, names)
 

@@ -153,6 +153,18 @@ def test_two_routers_sharing_redis_send_a_prefix_group_to_the_same_replica(clust
     assert sum(1 for c in via_b_cached if c > 0) >= len(via_b_cached) - 6  # all but first sightings hit
 
 
+def test_a_prompt_shorter_than_a_block_is_not_a_redis_fallback(cluster, redis_proc):
+    sims = [cluster.sim(*SIM)]
+    cfg = {**router_config(sims, "cache-aware"), "index": {"backend": f"redis://127.0.0.1:{redis_proc.port}/0"}}
+    rt = cluster.router([], config=cfg)
+    r = httpx.post(rt.url + "/v1/chat/completions", timeout=20,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200
+    text = httpx.get(rt.url + "/metrics").text
+    assert 'kvroute_routing_decisions_total{reason="load"} 1.0' in text
+    assert 'reason="fallback"' not in text
+
+
 def test_redis_dying_and_returning_fails_no_request(cluster, redis_proc):
     sims = [cluster.sim(*SIM) for _ in range(2)]
     cfg = {**router_config(sims, "cache-aware"),
