@@ -39,6 +39,10 @@ class RouteRequest:
     index_fallback: bool = False
     session_replica: str | None = None
 
+    def uncached(self, replica: str) -> int:
+        """Prompt tokens ``replica`` would have to prefill (as the prefix index predicts)."""
+        return max(0, self.prompt_tokens - self.cached.get(replica, 0))
+
 
 @dataclass
 class Decision:
@@ -118,7 +122,7 @@ class PredictedTTFTScorer:
         self.cfg = cfg
 
     def cost(self, req: RouteRequest, replica: Replica) -> float:
-        uncached = max(0, req.prompt_tokens - req.cached.get(replica.name, 0))
+        uncached = req.uncached(replica.name)
         # vLLM prefills several requests in one scheduler step (chunked prefill): only queued prefill
         # that does not fit in a step beside this request's own delays it
         pending = replica.pending_prefill

@@ -160,7 +160,7 @@ class Forwarder:
             call.replica = replica.name
             if matcher is not None:
                 matcher.record(call.route, replica)
-            pending = max(0, call.route.prompt_tokens - call.route.cached.get(replica.name, 0))
+            pending = call.route.uncached(replica.name)
             replica.pending_prefill += pending
             call.pending_prefill = pending
             try:
