@@ -51,9 +51,8 @@ class Gateway:
         self.config = config
         self.metrics = Metrics()
         self.events = EventBus()
-        self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.events)
-        for r in self.pool:
-            r.default_blocks = config.index.default_blocks
+        self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.events,
+                                default_blocks=config.index.default_blocks)
         self.policy = build_policy(config.policy, config.cache_aware)
         self.matcher = Matcher(self.pool, config.index, config.prefix, self.metrics) \
             if config.policy == "cache-aware" else None

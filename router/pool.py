@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import httpx
 
-from .config import HealthConfig, PLATFORMS, ProxyConfig, ReplicaConfig
+from .config import HealthConfig, IndexConfig, PLATFORMS, ProxyConfig, ReplicaConfig
 from .events import EventBus, ReplicaReady, ReplicaRestarted, ReplicaUnready
 from .metrics import Metrics
 from .replica_metrics import ReplicaStats, parse_metrics
@@ -25,13 +25,16 @@ from .upstream import UpstreamPool
 
 log = logging.getLogger("kvroute.pool")
 
+_DEFAULT_BLOCKS = IndexConfig().default_blocks
+
 State = Literal["starting", "ready", "unready"]
 
 
 class Replica:
     """A replica's configuration and the router's live view of it."""
 
-    def __init__(self, config: ReplicaConfig, upstream: UpstreamPool | None, metrics: Metrics) -> None:
+    def __init__(self, config: ReplicaConfig, upstream: UpstreamPool | None, metrics: Metrics,
+                 default_blocks: int = _DEFAULT_BLOCKS) -> None:
         self.config = config
         self.name = config.name
         self.url = config.url
@@ -41,7 +44,7 @@ class Replica:
         self.inflight = 0
         self.inflight_peak = 0  # highest in-flight count since the current scrape was sent
         self.pending_prefill = 0  # prompt tokens routed here that have not produced a first byte yet
-        self.default_blocks = 16384
+        self.default_blocks = default_blocks  # KV blocks assumed while neither config nor /metrics says
         self.model_cards: dict[str, dict[str, Any]] = {}
         self.models: frozenset[str] = frozenset(config.models)
         self.stats: ReplicaStats | None = None
@@ -143,6 +146,7 @@ class ReplicaPool:
         proxy: ProxyConfig,
         metrics: Metrics,
         events: EventBus | None = None,
+        default_blocks: int = _DEFAULT_BLOCKS,
     ) -> None:
         self.health = health
         self.metrics = metrics
@@ -155,7 +159,7 @@ class ReplicaPool:
         self.replicas: dict[str, Replica] = {}
         for cfg in configs:
             upstream = UpstreamPool(cfg.url, proxy.connect_timeout_s, proxy.upstream_idle_s)
-            self.replicas[cfg.name] = Replica(cfg, upstream, metrics)
+            self.replicas[cfg.name] = Replica(cfg, upstream, metrics, default_blocks)
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------

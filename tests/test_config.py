@@ -97,3 +97,11 @@ def test_cli_check_config_masks_keys():
                        capture_output=True, text=True, timeout=30, env={"KVROUTE_API_KEYS": "topsecret", "PATH": ""})
     assert p.returncode == 0, p.stderr
     assert "topsecret" not in p.stdout and "'**********'" in p.stdout
+
+
+def test_index_default_blocks_sizes_replicas_whose_cache_is_not_known_yet():
+    from router.api import Gateway
+    from router.config import RouterConfig
+    cfg = RouterConfig(replicas=[{"url": "http://127.0.0.1:9"}, {"url": "http://127.0.0.1:10", "num_gpu_blocks": 77}],
+                       index={"default_blocks": 1234})
+    assert [r.kv_blocks for r in Gateway(cfg).pool] == [1234, 77]
