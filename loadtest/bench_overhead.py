@@ -1,6 +1,7 @@
 """Latency the gateway adds over going straight to a replica, and its CPU cost per request.
 
     python -m loadtest.bench_overhead [--requests 4096] [--concurrency 32]
+    python -m loadtest.bench_overhead --instant [--instant-requests 20000]
 
 Starts one simulated replica and one router on 127.0.0.1 and sends the same requests to both
 over kept-alive client connections, in blocks that alternate direct/router (so drift on a noisy
@@ -10,6 +11,15 @@ time to first byte (streams) and of whole-response latency, router minus direct,
 router's CPU seconds per 1000 requests (from /proc). Two more passes: a lone stream at
 concurrency 1 (where Nagle's algorithm would show as ~40 ms), and a burst of new clients after
 the router sat idle (new upstream connections).
+
+``--instant`` measures the router where it is the bottleneck instead: an instant replica
+(:mod:`loadtest.instant`, captured vLLM bytes, tens of microseconds per request) behind the router,
+non-streaming requests with 8000-character prompts at concurrency 32, for the least-loaded and
+cache-aware policies with 1 and 2 worker processes (2 workers with a cache-aware policy share a
+local redis-server). It reports requests per second, the router's CPU seconds per 1000 requests
+(parent and workers), and latency; with one worker the router has a core of its own, with two they
+share both cores with the replica and the load generator. Then the streaming relay: paced streams
+(the simulated replica, 16 events 5 ms apart) direct and through the router, events per second each.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .cluster import router, simulator
+from .cluster import Proc, free_port, redis_server, router, simulator, wait_redis
 from .h1client import H1Connection
 
 
@@ -110,6 +120,113 @@ async def measure(args: argparse.Namespace, ports: dict[str, int], router_pid: i
     return {"samples": samples, "cpu": router_cpu, "router_requests": router_requests, "cold": cold, "lone": lone}
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and its children (the workers)."""
+    total = cpu_seconds(pid)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat[1]) == pid:
+            total += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def instant(args: argparse.Namespace) -> int:
+    """The router as the bottleneck: requests/s and CPU per request against an instant replica."""
+    pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
+    if pin:
+        os.sched_setaffinity(0, {0})
+    logs = Path(tempfile.mkdtemp(prefix="kvroute-bench-"))
+    port = free_port()
+    replica = Proc("instant", [sys.executable, "-m", "loadtest.instant", "--port", str(port)], port,
+                   log_path=logs / "instant.log")
+    replica.argv = _pin(replica.argv, 0 if pin else None)
+    redis = redis_server(log_dir=logs)
+    body = json.dumps({"model": "tiny", "prompt": ("The quick brown fox jumps over the lazy dog. " * 178)[:8000],
+                       "max_tokens": 16}).encode()
+    rows = []
+    try:
+        replica.start()
+        replica.wait_http()
+        redis.start()
+        wait_redis(redis)
+        direct = asyncio.run(_throughput(port, body, args.instant_requests, args.concurrency))
+        rows.append(("direct (the instant replica alone)", "-", direct, None))
+        for workers in (1, 2):
+            for policy in ("least-loaded", "cache-aware"):
+                extra = ["--policy", policy, "--workers", str(workers), "--set", "queue.max_size=4096"]
+                if workers > 1 and policy == "cache-aware":
+                    extra += ["--index", f"redis://127.0.0.1:{redis.port}/0"]
+                rt = router([replica.url], *extra, log_dir=logs)
+                rt.argv = _pin(rt.argv, 1 if pin and workers == 1 else None)
+                try:
+                    rt.start()
+                    rt.wait_http("/ready", timeout=20)
+                    asyncio.run(_throughput(rt.port, body, 2000, args.concurrency))  # warm up
+                    before = tree_cpu_seconds(rt.pid)
+                    res = asyncio.run(_throughput(rt.port, body, args.instant_requests, args.concurrency))
+                    cpu = tree_cpu_seconds(rt.pid) - before
+                finally:
+                    rt.stop()
+                rows.append((policy, str(workers), res, cpu / args.instant_requests * 1000))
+        stream = _paced_streams(args, logs)
+    finally:
+        replica.stop()
+        redis.stop()
+    lines = [f"instant replica, non-streaming, 8000-character prompts, concurrency {args.concurrency}, "
+             f"{args.instant_requests} requests per row; "
+             + ("1 worker on a core of its own, 2 workers unpinned" if pin else "no CPU pinning"), "",
+             "| policy | workers | requests/s | router CPU per 1000 requests | p50 | p99 |",
+             "|---|---|---|---|---|---|"]
+    report: dict[str, object] = {"rows": []}
+    for policy, workers, res, cpu in rows:
+        lines.append(f"| {policy} | {workers} | {res['rps']:.0f} | {'-' if cpu is None else f'{cpu:.3f} s'} | "
+                     f"{res['p50'] * 1e3:.2f} ms | {res['p99'] * 1e3:.2f} ms |")
+        report["rows"].append({"policy": policy, "workers": workers, "cpu_s_per_1000": cpu, **res})  # type: ignore[union-attr]
+    lines += ["", f"- streaming relay, {stream['concurrency']} paced streams of {stream['events']} events: "
+              f"direct {stream['direct']:.0f} events/s, router {stream['router']:.0f} events/s "
+              f"({stream['router'] / stream['direct']:.3f}x)"]
+    report["stream"] = stream
+    print("\n".join(lines))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+async def _throughput(port: int, body: bytes, n: int, concurrency: int) -> dict[str, float]:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    _, total = await run_load(port, body, n, concurrency)
+    elapsed = loop.time() - started
+    return {"rps": n / elapsed, "p50": pct(total, 50), "p99": pct(total, 99)}
+
+
+def _paced_streams(args: argparse.Namespace, logs: Path) -> dict[str, float]:
+    """Events per second that paced streams deliver, straight from a replica and through the router."""
+    sim = simulator(None, "tiny", "--ttft-ms", "5", "--itl-ms", "5", "--max-num-seqs", "1024", log_dir=logs)
+    rt = router([sim.url], log_dir=logs)
+    events = 16
+    body = json.dumps({"model": "tiny", "prompt": "hello " * 50, "max_tokens": events, "stream": True}).encode()
+    out: dict[str, float] = {"concurrency": args.concurrency, "events": events + 1}
+    try:
+        sim.start()
+        sim.wait_http()
+        rt.start()
+        rt.wait_http("/ready", timeout=20)
+        for mode, port in (("direct", sim.port), ("router", rt.port), ("direct", sim.port), ("router", rt.port)):
+            res = asyncio.run(_throughput(port, body, 32 * args.concurrency, args.concurrency))
+            out[mode] = max(out.get(mode, 0.0), res["rps"] * (events + 1))
+    finally:
+        rt.stop()
+        sim.stop()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=4096, help="requests per mode and kind")
@@ -123,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pin", action="store_true",
                    help="do not give the router a core of its own (by default: router on CPU 1, the rest on CPU 0)")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
+    p.add_argument("--instant", action="store_true",
+                   help="measure requests/s and CPU per request against an instant replica instead (see above)")
+    p.add_argument("--instant-requests", type=int, default=20000, help="requests per row of --instant")
     args = p.parse_args(argv)
+    if args.instant:
+        return instant(args)
 
     pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
     if pin:

@@ -61,6 +61,7 @@ class Counters:
     failed: int = 0
     running: int = 0
     waiting: int = 0
+    peak_in_flight: int = 0  # most requests held at once (running + waiting)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     prefix_queries: int = 0
@@ -250,6 +251,7 @@ class VLLMSimulator:
         prompt_tokens = self.count_tokens_bytes(rendered)
         blocks = math.ceil((prompt_tokens + max_tokens) / self.block_size)
         self.c.waiting += 1
+        self.c.peak_in_flight = max(self.c.peak_in_flight, self.c.running + self.c.waiting)
         holding = False
         running = False
         try:

@@ -1,9 +1,11 @@
 """Capacity and the router queue.
 
-A replica holds at most ``max_num_seqs`` of this router's requests. When every candidate for a
-request is full, the request waits here, first in first out, for at most ``queue.timeout_s``;
-a freed slot is handed straight to the oldest waiter that replica can serve, so a newcomer can
-never take it first. A full queue or a wait that times out answers 429 with ``Retry-After``.
+A replica holds at most ``max_num_seqs`` of this host's requests (the load table checks it when a
+slot is taken). When every candidate for a request is full, the request waits here, first in
+first out, for at most ``queue.timeout_s``; a freed slot is handed straight to the oldest waiter
+that replica can serve, so a newcomer can never take it first. With several worker processes,
+slots freed by another worker are noticed by polling every few milliseconds while anyone waits.
+A full queue or a wait that times out answers 429 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -12,102 +14,127 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from . import errors
 from .config import QueueConfig
-from .events import Event, ReplicaReady
+from .events import Event, EventBus, ReplicaReady
+from .load import LoadTable
 from .metrics import Metrics
-from .policy import Decision, NoCandidate, Policy, RouteRequest
-from .pool import Replica, ReplicaPool
+from .policy import NoCandidate, Policy, Scored
+from .request import RouteRequest
+from .view import ReplicaView
+
+_POLL_S = 0.005  # with several workers: how often waiters look for slots freed by the others
 
 
 @dataclass
 class _Waiter:
     req: RouteRequest
-    future: asyncio.Future[Decision]
+    future: asyncio.Future[Scored]
 
 
 class Admission:
-    def __init__(self, pool: ReplicaPool, policy: Policy, queue: QueueConfig, metrics: Metrics) -> None:
-        self.pool = pool
+    def __init__(self, policy: Policy, load: LoadTable, views: Callable[[], list[ReplicaView]],
+                 view_of: Callable[[str], ReplicaView | None], queue: QueueConfig, metrics: Metrics,
+                 events: EventBus) -> None:
         self.policy = policy
+        self.load = load
+        self.views = views
+        self.view_of = view_of
         self.cfg = queue
         self.metrics = metrics
         self._waiters: deque[_Waiter] = deque()
         self._release_interval = 0.1  # EWMA of seconds between freed slots, for Retry-After
         self._last_release = time.monotonic()
-        pool.events.subscribe(self._on_event)
+        self._poller: asyncio.Task[None] | None = None
+        events.subscribe(self._on_event)
 
     @property
     def queue_length(self) -> int:
         return len(self._waiters)
 
-    async def admit(self, req: RouteRequest) -> Decision:
+    async def admit(self, req: RouteRequest) -> Scored:
         """Choose a replica and take one of its slots, waiting in the queue if all are full.
 
         Raises :class:`NoCandidate` when no replica could ever serve the request now, and a
         429 :class:`~router.errors.GatewayError` when the wait is refused or too long.
         """
         if not self._waiters:
-            try:
-                decision = self.policy.choose(req, list(self.pool))
-            except NoCandidate as e:
-                if e.why != "at_capacity":
-                    raise
-            else:
-                self._take(decision.replica)
-                return decision
+            chosen = self._choose_and_take(req)
+            if chosen is not None:
+                return chosen
         else:
             # others are already waiting: only join them if some replica could ever serve this
             try:
-                self.policy.candidates(req, list(self.pool))
+                self.policy.candidates(req, self.views())
             except NoCandidate as e:
                 if e.why != "at_capacity":
                     raise
         return await self._wait(req)
 
-    def release(self, replica: Replica) -> None:
+    def release(self, name: str) -> None:
         """Give a slot back; the oldest waiter this replica can serve takes it over."""
         now = time.monotonic()
         self._release_interval = 0.9 * self._release_interval + 0.1 * (now - self._last_release)
         self._last_release = now
-        replica.inflight -= 1
-        replica.m_inflight.dec()
+        self.load.release(name)
         if self._waiters:
-            self._hand_off(replica)
+            self._hand_off(name)
 
     # -- internals -------------------------------------------------------------------------
 
-    def _take(self, replica: Replica) -> None:
-        replica.inflight += 1
-        if replica.inflight > replica.inflight_peak:
-            replica.inflight_peak = replica.inflight
-        replica.m_inflight.inc()
+    def _choose_and_take(self, req: RouteRequest) -> Scored | None:
+        """The policy's pick with its slot taken, or None if every candidate is full."""
+        views = self.views()
+        while True:
+            try:
+                view, score = self.policy.choose(req, views)
+            except NoCandidate as e:
+                if e.why != "at_capacity":
+                    raise
+                return None
+            if self.load.take(view.name, view.max_num_seqs):
+                return view, score
+            # another worker took the last slot since the view was made: try the others
+            views = [v for v in views if v.name != view.name]
+            if not views:
+                return None
 
-    def _fits(self, req: RouteRequest, replica: Replica) -> bool:
+    def _fits(self, req: RouteRequest, view: ReplicaView) -> bool:
         try:
-            self.policy.candidates(req, [replica])
+            self.policy.candidates(req, [view])
         except NoCandidate:
             return False
         return True
 
-    def _hand_off(self, replica: Replica) -> None:
+    def _hand_off(self, name: str) -> None:
         for w in list(self._waiters):
-            if replica.inflight >= replica.slots:
-                return
+            view = self.view_of(name)
+            if view is None or view.inflight >= view.max_num_seqs:
+                break
             if w.future.done():
                 self._waiters.remove(w)
                 continue
-            if self._fits(w.req, replica):
+            if self._fits(w.req, view):
+                if not self.load.take(name, view.max_num_seqs):
+                    break
                 self._waiters.remove(w)
-                self._take(replica)
-                w.future.set_result(Decision(replica, "queued", 0.0))
+                w.future.set_result((view, 0.0))
         self.metrics.queue_length.set(len(self._waiters))
+
+    async def _poll(self) -> None:
+        while self._waiters:
+            await asyncio.sleep(_POLL_S)
+            for view in self.views():
+                if self._waiters:
+                    self._hand_off(view.name)
+        self._poller = None
 
     def _retry_after(self) -> float:
         return min(60.0, max(1.0, (len(self._waiters) + 1) * self._release_interval))
 
-    async def _wait(self, req: RouteRequest) -> Decision:
+    async def _wait(self, req: RouteRequest) -> Scored:
         if len(self._waiters) >= self.cfg.max_size:
             self.metrics.queue_rejected.labels("full").inc()
             raise errors.queue_full(self._retry_after(), "full")
@@ -115,6 +142,8 @@ class Admission:
         waiter = _Waiter(req, loop.create_future())
         self._waiters.append(waiter)
         self.metrics.queue_length.set(len(self._waiters))
+        if self.load.workers > 1 and self._poller is None:
+            self._poller = loop.create_task(self._poll())
         started = time.monotonic()
         try:
             return await asyncio.wait_for(waiter.future, self.cfg.timeout_s)
@@ -124,7 +153,7 @@ class Admission:
         except asyncio.CancelledError:
             # the client left; a slot handed over in the meantime goes back
             if waiter.future.done() and not waiter.future.cancelled():
-                self.release(waiter.future.result().replica)
+                self.release(waiter.future.result()[0].name)
             raise
         finally:
             self.metrics.queue_wait.observe(time.monotonic() - started)
@@ -135,6 +164,4 @@ class Admission:
     def _on_event(self, event: Event) -> None:
         # a replica that became ready or was undrained may take queued requests at once
         if isinstance(event, ReplicaReady) and self._waiters:
-            replica = self.pool.get(event.replica)
-            if replica is not None:
-                self._hand_off(replica)
+            self._hand_off(event.replica)

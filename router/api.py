@@ -1,8 +1,9 @@
 """The HTTP surface: OpenAI-compatible endpoints, health, metrics and the admin API.
 
 The proxied endpoints are plain ASGI apps (no per-request dependency injection or body models):
-they check the key, read the body within its limit, pull out what routing needs and hand the
-raw bytes to the :class:`~router.proxy.Forwarder`.
+they check the key, read the body within its limit, pull out what routing needs (model, session
+digest, the parsed body) and hand the raw bytes to the :class:`~router.proxy.Forwarder`.
+:class:`Gateway` assembles the components of one router process.
 """
 
 from __future__ import annotations
@@ -26,11 +27,18 @@ from .auth import Auth
 from .config import RouterConfig
 from .errors import GatewayError
 from .events import EventBus
-from .matching import Matcher
+from .index import PrefixIndex, build_index
+from .index.fallback import FallbackIndex
+from .index.memory import MemoryIndex
+from .keys import PromptKeys
+from .load import HostShare, LoadTable
 from .metrics import Metrics
-from .policy import RouteRequest, build_policy
+from .policy import build_policy
 from .pool import ReplicaPool
 from .proxy import Call, Forwarder, client_headers, send_error
+from .request import RouteRequest
+from .routing import Router
+from .sessions import build_sessions, session_digest
 
 log = logging.getLogger("kvroute.api")
 
@@ -45,24 +53,35 @@ PROXIED: dict[str, tuple[str, ...]] = {
 
 
 class Gateway:
-    """Everything one running router holds: pool, routing stage, admission, forwarding."""
+    """The components of one router process: pool, load, index, policy, admission, router, forwarder."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, share: HostShare | None = None, worker: int = 0) -> None:
         self.config = config
         self.metrics = Metrics()
         self.events = EventBus()
-        self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.events,
-                                default_blocks=config.index.default_blocks)
         self.policy = build_policy(config.policy, config.cache_aware)
-        self.matcher = Matcher(self.pool, config.index, config.prefix, self.metrics) \
-            if config.policy == "cache-aware" else None
-        self.admission = Admission(self.pool, self.policy, config.queue, self.metrics)
-        self.forwarder = Forwarder(self.pool, self.admission, config.proxy, self.metrics, self.matcher)
+        workers = share.workers if share is not None else 1  # router.workers.check vetted the set-up
+        self.load = LoadTable([r.name for r in config.replicas], self.metrics, share, worker)
+        self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.load, self.events,
+                                default_blocks=config.index.default_blocks, worker=worker, workers=workers)
+        index: PrefixIndex | None = None
+        keys: PromptKeys | None = None
+        if self.policy.uses_prefix:
+            keys = PromptKeys(config.prefix)
+            index = MemoryIndex() if config.index.backend == "memory" else FallbackIndex(
+                build_index(config.index.backend, config.index.namespace, config.index.timeout_s), MemoryIndex(),
+                config.index, self.metrics)
+        self.admission = Admission(self.policy, self.load, self.pool.views, self.pool.view_of, config.queue,
+                                   self.metrics, self.events)
+        self.router = Router(self.pool, self.load, self.policy, self.admission,
+                             build_sessions(config.index, config.sessions, self.metrics), self.metrics, self.events,
+                             index=index, keys=keys)
+        self.forwarder = Forwarder(self.router, self.pool, config.proxy, self.metrics)
         self.auth = Auth(config.auth)
         self.started = time.time()
 
     def single_model(self) -> str | None:
-        models = set()
+        models: set[str] = set()
         for r in self.pool:
             models |= r.models
         return next(iter(models)) if len(models) == 1 else None
@@ -109,12 +128,10 @@ class ProxyEndpoint:
             return
         session = None
         for k, v in headers:
-            if k == b"x-session-id":
-                session = v.decode("latin-1")
-        route = RouteRequest(model=model, request_id=request_id, endpoint=self.path, session_id=session)
-        matcher = self.gw.matcher
-        if matcher is not None:
-            route.key = await matcher.key(self.path, payload, model, len(body))
+            if k == b"x-session-id" and v:
+                session = session_digest(v)
+        route = RouteRequest(model=model, request_id=request_id, endpoint=self.path, session_id=session,
+                             payload=payload, body_size=len(body))
         call = Call(
             path=self.path, body=body, model=model, stream=payload.get("stream") is True,
             request_id=request_id, headers=client_headers(headers), started=started, route=route,
@@ -186,14 +203,13 @@ class GatewayApp:
         await self.app(scope, receive, send)
 
 
-def build_app(config: RouterConfig) -> GatewayApp:
-    gw = Gateway(config)
+def build_app(config: RouterConfig, share: HostShare | None = None, worker: int = 0) -> GatewayApp:
+    gw = Gateway(config, share, worker)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gw.pool.start()
-        if gw.matcher is not None:
-            gw.matcher.start()
+        await gw.router.start()
         # What exists now lives as long as the process: keep the collector from re-scanning it.
         gc.collect()
         gc.freeze()
@@ -201,8 +217,7 @@ def build_app(config: RouterConfig) -> GatewayApp:
         try:
             yield
         finally:
-            if gw.matcher is not None:
-                await gw.matcher.close()
+            await gw.router.close()
             await gw.pool.stop()
 
     app = FastAPI(title="kvroute", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -229,7 +244,7 @@ def build_app(config: RouterConfig) -> GatewayApp:
 
     @app.get("/ready")
     async def ready() -> Response:
-        n = sum(1 for r in gw.pool if r.ready and not r.drained)
+        n = sum(1 for v in gw.pool.views() if v.ready and not v.drained)
         if n == 0:
             return _json_error(errors.no_ready_replica(None))
         return JSONResponse({"status": "ready", "ready_replicas": n})
@@ -258,9 +273,9 @@ def build_app(config: RouterConfig) -> GatewayApp:
         _admin(request)
         return JSONResponse({
             "policy": gw.policy.name,
-            "index": gw.matcher.backend if gw.matcher is not None else None,
+            "index": gw.router.index.name if gw.router.index is not None else None,
             "queue_length": gw.admission.queue_length,
-            "replicas": [r.describe() for r in gw.pool],
+            "replicas": [gw.pool.describe(r) for r in gw.pool],
         })
 
     @app.post("/admin/replicas/{name}/drain")
@@ -268,13 +283,13 @@ def build_app(config: RouterConfig) -> GatewayApp:
         _admin(request)
         r = _replica(name)
         gw.pool.set_drained(r, True)
-        return JSONResponse(r.describe())
+        return JSONResponse(gw.pool.describe(r))
 
     @app.post("/admin/replicas/{name}/undrain")
     async def admin_undrain(name: str, request: Request) -> Response:
         _admin(request)
         r = _replica(name)
         gw.pool.set_drained(r, False)
-        return JSONResponse(r.describe())
+        return JSONResponse(gw.pool.describe(r))
 
     return GatewayApp(app, endpoints)

@@ -27,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--policy", choices=POLICIES, help="routing policy (default: cache-aware)")
         sp.add_argument("--index", metavar="memory|redis://HOST:PORT/DB",
                         help="prefix index: in this process (default) or shared through Redis")
+        sp.add_argument("--workers", type=int, metavar="N",
+                        help="worker processes sharing the port (default: 1; more need --index redis://... "
+                             "with a cache-aware policy)")
         sp.add_argument("--host", help="listen address (default: 127.0.0.1)")
         sp.add_argument("--port", type=int, help="listen port (default: 8000)")
         sp.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
@@ -51,7 +54,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         set_path(out, field.strip(), yaml.safe_load(value) if value else value)
     if args.replica:
         out["replicas"] = [parse_replica_spec(s) for s in args.replica]
-    for key in ("policy", "host", "port"):
+    for key in ("policy", "host", "port", "workers"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
     if args.index:
@@ -68,37 +71,21 @@ def load(args: argparse.Namespace) -> RouterConfig:
 
 
 def serve(config: RouterConfig) -> int:
-    import contextlib
-
-    import uvicorn
-
-    from .api import build_app
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):  # type: ignore[override]
-            with super().capture_signals():
-                yield
-                # the graceful stop is done: exit normally (status 0, logs flushed) instead of
-                # re-raising SIGTERM/SIGINT, which would kill the process before the log thread drains
-                self._captured_signals.clear()
-
     logs.setup(config.log.level, config.log.json_format)
     if not config.replicas:
         log.warning("no replicas configured: every request will get 503")
-    try:
-        app = build_app(config)
-    except ConfigError as e:
-        sys.stderr.write(f"kvroute: {e}\n")
-        return 2
-    server = Server(uvicorn.Config(
-        app, host=config.host, port=config.port, loop="auto", http="httptools",
-        lifespan="on", log_config=None, access_log=False, server_header=False,
-        timeout_graceful_shutdown=config.shutdown_grace_s, timeout_keep_alive=75, backlog=4096,
-    ))
-    server.run()
-    log.info("kvroute stopped")
-    return 0
+    if config.workers > 1:
+        from . import workers
+
+        try:
+            workers.check(config)
+        except ConfigError as e:
+            sys.stderr.write(f"kvroute: {e}\n")
+            return 2
+        return workers.run(config)
+    from .server import run_server
+
+    return run_server(config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -173,6 +173,34 @@ class CacheAwareConfig(_Model):
                                       "sees full: new prefixes go where they evict least")
 
 
+class SessionConfig(_Model):
+    ttl_s: float = Field(3600.0, gt=0, description="with a Redis index, a session's replica is kept in Redis this long "
+                         "after its last request")
+    max_local: int = Field(100_000, ge=1, description="sessions each router keeps in memory (least recently used out)")
+
+
+class StageConfig(BaseModel):
+    """A filter, scorer or picker of a policy: its registered name and its parameters."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(..., min_length=1, description="registered name, or module:Class of a plug-in")
+    weight: float = Field(1.0, ge=0, description="weight of a scorer's [0, 1] rating in the sum")
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class PolicyConfig(_Model):
+    """A routing pipeline: filters in order, weighted scorers, a picker."""
+
+    filters: list[str | StageConfig] | None = Field(None, description="filters in order; default: ready, "
+                                                     "serves-model, not-drained, not-tried, below-capacity")
+    scorers: list[StageConfig] = Field(default_factory=list, description="scorers and their weights")
+    picker: str | StageConfig = Field("max-score", description="max-score or round-robin")
+
+
 class QueueConfig(_Model):
     max_size: int = Field(1024, ge=0, description="requests that may wait when every replica is at capacity")
     timeout_s: float = Field(30.0, ge=0, description="longest wait in the queue before 429")
@@ -193,7 +221,10 @@ class LogConfig(_Model):
 class RouterConfig(_Model):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
-    policy: str = Field("cache-aware", description="routing policy: " + ", ".join(POLICIES))
+    policy: str | PolicyConfig = Field("cache-aware", description="routing policy: a preset (" + ", ".join(POLICIES)
+                                       + ") or {filters, scorers, picker} (see Routing)")
+    workers: int = Field(1, ge=1, le=64, description="worker processes sharing the port; more than 1 needs a Redis "
+                         "index with a cache-aware policy")
     replicas: list[ReplicaConfig] = Field(default_factory=list)
     health: HealthConfig = Field(default_factory=HealthConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
@@ -201,14 +232,15 @@ class RouterConfig(_Model):
     index: IndexConfig = Field(default_factory=IndexConfig)
     prefix: PrefixConfig = Field(default_factory=PrefixConfig)
     cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)
+    sessions: SessionConfig = Field(default_factory=SessionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight streams may finish")
 
     @field_validator("policy")
     @classmethod
-    def _check_policy(cls, v: str) -> str:
-        if v not in POLICIES:
+    def _check_policy(cls, v: str | PolicyConfig) -> str | PolicyConfig:
+        if isinstance(v, str) and v not in POLICIES:
             raise ValueError(f"unknown policy {v!r}; choose one of: {', '.join(POLICIES)}")
         return v
 

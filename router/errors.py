@@ -70,11 +70,3 @@ def no_ready_replica(model: str | None) -> GatewayError:
     what = f" for model `{model}`" if model else ""
     return GatewayError(503, f"no ready replica{what}", "service_unavailable_error", "no_ready_replica",
                         headers={"retry-after": "1"})
-
-
-def upstream_failed(message: str) -> GatewayError:
-    return GatewayError(502, message, "upstream_error", "upstream_unavailable")
-
-
-def upstream_timeout(message: str) -> GatewayError:
-    return GatewayError(504, message, "upstream_error", "upstream_timeout")

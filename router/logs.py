@@ -45,16 +45,25 @@ class PlainFormatter(logging.Formatter):
 _listener: logging.handlers.QueueListener | None = None
 
 
+def shutdown() -> None:
+    """Write out what is queued and stop the writer thread (also run at exit)."""
+    global _listener
+    listener, _listener = _listener, None
+    if listener is not None and listener._thread is not None:  # type: ignore[attr-defined]
+        listener.stop()
+
+
+atexit.register(shutdown)
+
+
 def setup(level: str = "info", json_format: bool = False) -> None:
     global _listener
-    if _listener is not None:
-        _listener.stop()
+    shutdown()
     sink = logging.StreamHandler(sys.stderr)
     sink.setFormatter(JsonFormatter() if json_format else PlainFormatter())
     q: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
     _listener = logging.handlers.QueueListener(q, sink, respect_handler_level=False)
     _listener.start()
-    atexit.register(_listener.stop)
     root = logging.getLogger()
     root.handlers[:] = [logging.handlers.QueueHandler(q)]
     root.setLevel(level.upper())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Buckets for time to first byte and end-to-end latency: from a cached-prefix hit (ms) to long
@@ -11,10 +13,17 @@ _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 6
 
 
 class Metrics:
-    """One registry per gateway instance, so several can live in one process (tests, embedding)."""
+    """One registry per gateway instance, so several can live in one process (tests, embedding).
+
+    With several worker processes (``PROMETHEUS_MULTIPROC_DIR`` set by :mod:`router.workers`) every
+    worker writes its values to files in that folder, and :meth:`render` adds them up: counters and
+    histograms are summed, in-flight and queue gauges summed over live workers, replica gauges
+    (readiness, drained, engine figures) the value a live worker set last. The router shows as one.
+    """
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         self.requests = Counter(
             "kvroute_requests", "Requests answered, by model, replica ('none' if the router answered) and HTTP status.",
             ["model", "replica", "status"], registry=r)
@@ -25,14 +34,16 @@ class Metrics:
             "kvroute_request_duration_seconds", "From request arrival to the last response byte.",
             ["replica"], buckets=_LATENCY_BUCKETS, registry=r)
         self.inflight = Gauge(
-            "kvroute_inflight_requests", "Requests this router has in flight on each replica.", ["replica"], registry=r)
+            "kvroute_inflight_requests", "Requests this router has in flight on each replica.", ["replica"], registry=r,
+            multiprocess_mode="livesum")
         self.retries = Counter(
             "kvroute_retries", "Requests sent again to another replica, by the reason of the failed attempt.",
             ["reason"], registry=r)
         self.upstream_errors = Counter(
             "kvroute_upstream_errors", "Failures talking to a replica, by kind.", ["replica", "kind"], registry=r)
         self.queue_length = Gauge(
-            "kvroute_queue_length", "Requests waiting for a replica with free capacity.", registry=r)
+            "kvroute_queue_length", "Requests waiting for a replica with free capacity.", registry=r,
+            multiprocess_mode="livesum")
         self.queue_wait = Histogram(
             "kvroute_queue_wait_seconds", "Time requests waited in the router queue (admitted or not).",
             buckets=_QUEUE_BUCKETS, registry=r)
@@ -40,18 +51,20 @@ class Metrics:
             "kvroute_queue_rejected", "Requests refused with 429 because the queue was full or the wait too long.",
             ["reason"], registry=r)
         self.replica_ready = Gauge(
-            "kvroute_replica_ready", "1 if the replica is ready to take requests.", ["replica"], registry=r)
+            "kvroute_replica_ready", "1 if the replica is ready to take requests.", ["replica"], registry=r,
+            multiprocess_mode="livemostrecent")
         self.replica_draining = Gauge(
-            "kvroute_replica_draining", "1 if the replica is drained by an operator.", ["replica"], registry=r)
+            "kvroute_replica_draining", "1 if the replica is drained by an operator.", ["replica"], registry=r,
+            multiprocess_mode="livemostrecent")
         self.replica_restarts = Counter(
             "kvroute_replica_restarts", "Replica restarts seen (new process start time or counter reset).",
             ["replica"], registry=r)
         self.replica_engine_load = Gauge(
             "kvroute_replica_engine_requests", "Running plus waiting requests reported by the replica's /metrics.",
-            ["replica"], registry=r)
+            ["replica"], registry=r, multiprocess_mode="livemostrecent")
         self.replica_kv_usage = Gauge(
             "kvroute_replica_kv_cache_usage", "KV cache usage (0..1) reported by the replica's /metrics.",
-            ["replica"], registry=r)
+            ["replica"], registry=r, multiprocess_mode="livemostrecent")
 
         self.prompt_tokens = Counter(
             "kvroute_prompt_tokens", "Prompt tokens of routed requests (estimated in byte mode).", ["model"],
@@ -68,12 +81,18 @@ class Metrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1), registry=r)
         self.index_blocks = Gauge(
             "kvroute_index_blocks", "Blocks the prefix index holds for each replica (this router's view).",
-            ["replica"], registry=r)
+            ["replica"], registry=r, multiprocess_mode="livemax")
         self.index_errors = Counter(
             "kvroute_index_errors", "Failed or too slow calls to the shared (Redis) index.", ["op"], registry=r)
         self.index_fallback = Gauge(
             "kvroute_index_fallback", "1 while routing falls back to the local index because Redis failed.",
-            registry=r)
+            registry=r, multiprocess_mode="livemax")
 
     def render(self) -> bytes:
+        if self._multiprocess_dir:
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry, self._multiprocess_dir)
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -1,54 +1,40 @@
 """The routing stage: filters narrow the replicas, scorers rate the rest, a picker chooses.
 
-Every filter, scorer and picker is a small object that can be tested on its own; a policy is
-just an ordered list of filters, weighted scorers and a picker. The score of a replica is
-``sum(weight * scorer(replica))`` with every scorer in [0, 1]; ties are broken at random, so
-equally good replicas share cold traffic instead of the first one in the list taking it all.
+Every filter, scorer and picker is a small class registered by name; a policy is an ordered list
+of filters, weighted scorers and a picker, built from the configuration (``policy:`` a preset
+name, or ``{filters, scorers, picker}``). The score of a replica is ``sum(weight x scorer)``
+with every scorer in [0, 1]. They all read a request (:class:`~router.request.RouteRequest`) and
+immutable replica views (:class:`~router.view.ReplicaView`), never live objects.
+
+Adding a scorer is one class and one registration::
+
+    @register_scorer("fewest-waiting")
+    class FewestWaiting(Scorer):
+        def __call__(self, req, view):
+            return 1.0 / (1.0 + view.external_load)
+
+A plug-in outside this package is named ``module:Class`` in the configuration. A stage with
+parameters declares them as a pydantic model ``Params``; the configuration entry's other keys
+are validated against it and the stage is built as ``Class(params)``.
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import random
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Literal, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Literal, Sequence, TypeVar
 
-from .config import CacheAwareConfig
-from .pool import Replica
+from pydantic import BaseModel, ValidationError
 
-if TYPE_CHECKING:
-    from .prefix import PromptKey
+from .config import POLICIES, CacheAwareConfig, ConfigError, PolicyConfig, StageConfig
+from .request import RouteRequest
+from .view import ReplicaView
 
 # Why a filter left no replica: each maps to a different answer to the client.
 Empty = Literal["no_ready", "unknown_model", "drained", "tried", "at_capacity"]
 
-
-@dataclass
-class RouteRequest:
-    """What the routing stage knows of a request."""
-
-    model: str | None
-    request_id: str
-    endpoint: str
-    session_id: str | None = None
-    exclude: set[str] = field(default_factory=set)
-    key: "PromptKey | None" = None
-    prompt_tokens: int = 0
-    cached: dict[str, int] = field(default_factory=dict)  # predicted cached tokens per replica name
-    occupancy: dict[str, float] = field(default_factory=dict)  # share of each replica's KV blocks indexed
-    index_fallback: bool = False
-    session_replica: str | None = None
-
-    def uncached(self, replica: str) -> int:
-        """Prompt tokens ``replica`` would have to prefill (as the prefix index predicts)."""
-        return max(0, self.prompt_tokens - self.cached.get(replica, 0))
-
-
-@dataclass
-class Decision:
-    replica: Replica
-    reason: str
-    score: float
+Scored = tuple[ReplicaView, float]
 
 
 class NoCandidate(Exception):
@@ -57,54 +43,160 @@ class NoCandidate(Exception):
         self.why = why
 
 
+class Stage:
+    """Base of filters, scorers and pickers: a name, and optional parameters (a pydantic model)."""
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type[BaseModel] | None] = None
+
+    def __init__(self, params: BaseModel | None = None) -> None:
+        self.params = params
+
+
+class Filter(Stage):
+    when_empty: ClassVar[Empty] = "no_ready"  # what the client is told when this filter leaves nobody
+
+    def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
+        raise NotImplementedError
+
+    def __call__(self, req: RouteRequest, views: Sequence[ReplicaView]) -> list[ReplicaView]:
+        keep = self.keep
+        return [v for v in views if keep(req, v)]
+
+
+class Scorer(Stage):
+    uses_prefix: ClassVar[bool] = False  # reads req.cached / req.occupancy: the router must look the prompt up
+
+    def __call__(self, req: RouteRequest, view: ReplicaView) -> float:
+        """A rating in [0, 1]; higher is better."""
+        raise NotImplementedError
+
+
+class Picker(Stage):
+    def __call__(self, req: RouteRequest, scored: list[Scored]) -> Scored:
+        raise NotImplementedError
+
+
+FILTERS: dict[str, type[Filter]] = {}
+SCORERS: dict[str, type[Scorer]] = {}
+PICKERS: dict[str, type[Picker]] = {}
+
+S = TypeVar("S", bound=type[Stage])
+
+
+def _registrar(table: dict[str, Any], name: str) -> Callable[[S], S]:
+    def register(cls: S) -> S:
+        cls.name = name
+        table[name] = cls
+        return cls
+    return register
+
+
+def register_filter(name: str) -> Callable[[S], S]:
+    return _registrar(FILTERS, name)
+
+
+def register_scorer(name: str) -> Callable[[S], S]:
+    return _registrar(SCORERS, name)
+
+
+def register_picker(name: str) -> Callable[[S], S]:
+    return _registrar(PICKERS, name)
+
+
 # -- filters -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Filter:
-    name: str
-    keep: Callable[[RouteRequest, Replica], bool]
-    when_empty: Empty
+@register_filter("ready")
+class Ready(Filter):
+    when_empty = "no_ready"
 
-    def __call__(self, req: RouteRequest, replicas: Sequence[Replica]) -> list[Replica]:
-        keep = self.keep
-        return [r for r in replicas if keep(req, r)]
+    def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
+        return view.ready
 
 
-READY = Filter("ready", lambda req, r: r.ready, "no_ready")
-SERVES_MODEL = Filter("serves-model", lambda req, r: req.model is None or req.model in r.models, "unknown_model")
-NOT_DRAINED = Filter("not-drained", lambda req, r: not r.drained, "drained")
-NOT_TRIED = Filter("not-tried", lambda req, r: r.name not in req.exclude, "tried")
-BELOW_CAPACITY = Filter("below-capacity", lambda req, r: r.inflight < r.slots, "at_capacity")
+@register_filter("serves-model")
+class ServesModel(Filter):
+    when_empty = "unknown_model"
 
-DEFAULT_FILTERS: tuple[Filter, ...] = (READY, SERVES_MODEL, NOT_DRAINED, NOT_TRIED, BELOW_CAPACITY)
+    def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
+        return req.model is None or req.model in view.models
+
+
+@register_filter("not-drained")
+class NotDrained(Filter):
+    when_empty = "drained"
+
+    def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
+        return not view.drained
+
+
+@register_filter("not-tried")
+class NotTried(Filter):
+    """Retries never go back to a replica that failed this request."""
+
+    when_empty = "tried"
+
+    def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
+        return view.name not in req.exclude
+
+
+@register_filter("below-capacity")
+class BelowCapacity(Filter):
+    """Fewer of this host's requests in flight than ``max_num_seqs``."""
+
+    when_empty = "at_capacity"
+
+    def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
+        return view.inflight < view.max_num_seqs
+
+
+DEFAULT_FILTERS = ("ready", "serves-model", "not-drained", "not-tried", "below-capacity")
 
 
 # -- scorers -------------------------------------------------------------------------------
 
 
-class Scorer(Protocol):
-    name: str
-
-    def __call__(self, req: RouteRequest, replica: Replica) -> float:
-        """A rating in [0, 1]; higher is better."""
-        ...
-
-
-class LoadScorer:
+@register_scorer("load")
+class LoadScorer(Scorer):
     """Prefers the replica with the lowest load relative to its capacity.
 
-    Load is this router's in-flight requests plus the other traffic the replica reported at the
+    Load is this host's in-flight requests plus the other traffic the replica reported at the
     last scrape; capacity grows with ``max_num_seqs`` and the speed of the parallel group.
     """
 
-    name = "load"
-
-    def __call__(self, req: RouteRequest, replica: Replica) -> float:
-        return 1.0 / (1.0 + replica.load / replica.capacity)
+    def __call__(self, req: RouteRequest, view: ReplicaView) -> float:
+        return 1.0 / (1.0 + view.load / view.capacity)
 
 
-class PredictedTTFTScorer:
+@register_scorer("session")
+class SessionScorer(Scorer):
+    """1 for the replica that served the request's ``x-session-id`` last, else 0."""
+
+    def __call__(self, req: RouteRequest, view: ReplicaView) -> float:
+        return 1.0 if req.session_replica is not None and req.session_replica == view.name else 0.0
+
+
+@register_scorer("kv-usage")
+class KVUsageScorer(Scorer):
+    """Prefers the replica with the most free KV cache at the last scrape."""
+
+    def __call__(self, req: RouteRequest, view: ReplicaView) -> float:
+        return max(0.0, 1.0 - view.kv_usage)
+
+
+@register_scorer("prefix")
+class PrefixScorer(Scorer):
+    """The share of the prompt predicted to be in the replica's prefix cache."""
+
+    uses_prefix = True
+
+    def __call__(self, req: RouteRequest, view: ReplicaView) -> float:
+        return req.cached.get(view.name, 0) / req.prompt_tokens if req.prompt_tokens else 0.0
+
+
+@register_scorer("predicted-ttft")
+class PredictedTTFTScorer(Scorer):
     """Prefers the replica expected to produce the first token soonest.
 
     cost (seconds) = (uncached prompt tokens + queued prefill that will not fit in its step) / prefill rate
@@ -113,76 +205,78 @@ class PredictedTTFTScorer:
                    + kv_weight_s x (KV cache usage above kv_threshold, scaled to 0..1)
                    + occupancy_weight_s x share of its KV blocks the index holds
                    - session_bonus_s if it served this session last
-    score = 1 / (1 + cost). Uncached tokens come from the prefix index (``req.cached``).
+    score = 1 / (1 + cost). Uncached tokens come from the prefix index (``req.cached``). Its
+    parameters default to the ``cache_aware`` section of the configuration.
     """
 
-    name = "predicted-ttft"
+    Params = CacheAwareConfig
+    uses_prefix = True
 
-    def __init__(self, cfg: CacheAwareConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, params: CacheAwareConfig | None = None) -> None:
+        super().__init__(params)
+        self.cfg = params or CacheAwareConfig()
 
-    def cost(self, req: RouteRequest, replica: Replica) -> float:
-        uncached = req.uncached(replica.name)
+    def cost(self, req: RouteRequest, view: ReplicaView) -> float:
+        cfg = self.cfg
+        uncached = req.uncached(view.name)
         # vLLM prefills several requests in one scheduler step (chunked prefill): only queued prefill
         # that does not fit in a step beside this request's own delays it
-        pending = replica.pending_prefill
-        queued = min(pending, max(0, pending + uncached - replica.config.max_num_batched_tokens))
-        cost = (uncached + queued) / replica.prefill_rate
-        occupancy = req.occupancy.get(replica.name, 0.0)
-        if self.cfg.evict_weight and uncached:
+        pending = view.pending_prefill
+        queued = min(pending, max(0, pending + uncached - view.max_num_batched_tokens))
+        cost = (uncached + queued) / view.prefill_rate
+        occupancy = req.occupancy.get(view.name, 0.0)
+        if cfg.evict_weight and uncached:
             # what does not fit in the free part of its cache pushes out cached prefixes, which their
             # owners will have to prefill again: a small shared prefix should not pull new prompts onto
             # a full replica while others have room
-            free = (1.0 - occupancy) * replica.kv_blocks * replica.block_size
-            cost += self.cfg.evict_weight * max(0.0, uncached - free) / replica.prefill_rate
-        cost += self.cfg.load_weight_s * replica.load / replica.slots
-        if replica.stats is not None and replica.stats.kv_usage > self.cfg.kv_threshold:
+            free = (1.0 - occupancy) * view.kv_blocks * view.block_size
+            cost += cfg.evict_weight * max(0.0, uncached - free) / view.prefill_rate
+        cost += cfg.load_weight_s * view.load / view.max_num_seqs
+        if view.kv_usage > cfg.kv_threshold:
             # only a nearly full cache delays a new request (vLLM queues or preempts then); below
             # that, a scrape up to an interval old would only steer prefixes away from their cache
-            over = (replica.stats.kv_usage - self.cfg.kv_threshold) / (1.0 - self.cfg.kv_threshold)
-            cost += self.cfg.kv_weight_s * min(1.0, over)
-        cost += self.cfg.occupancy_weight_s * occupancy
-        if req.session_replica is not None and req.session_replica == replica.name:
-            cost -= self.cfg.session_bonus_s
+            over = (view.kv_usage - cfg.kv_threshold) / (1.0 - cfg.kv_threshold)
+            cost += cfg.kv_weight_s * min(1.0, over)
+        cost += cfg.occupancy_weight_s * occupancy
+        if req.session_replica is not None and req.session_replica == view.name:
+            cost -= cfg.session_bonus_s
         return max(0.0, cost)
 
-    def __call__(self, req: RouteRequest, replica: Replica) -> float:
-        return 1.0 / (1.0 + self.cost(req, replica))
+    def __call__(self, req: RouteRequest, view: ReplicaView) -> float:
+        return 1.0 / (1.0 + self.cost(req, view))
 
 
 # -- pickers -------------------------------------------------------------------------------
 
 
-class Picker(Protocol):
-    name: str
+def _best(scored: list[Scored]) -> list[Scored]:
+    best = max(s for _, s in scored)
+    return [pair for pair in scored if best - pair[1] <= 1e-12]
 
-    def __call__(self, req: RouteRequest, scored: list[tuple[Replica, float]]) -> tuple[Replica, float]: ...
 
+@register_picker("max-score")
+class MaxScorePicker(Picker):
+    """The best score wins; equal best scores are broken at random (never by list order)."""
 
-class MaxScorePicker:
-    """The best score wins; equal best scores are broken at random."""
-
-    name = "max-score"
-
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(self, params: BaseModel | None = None, rng: random.Random | None = None) -> None:
+        super().__init__(params)
         self._rng = rng or random.Random()
 
-    def __call__(self, req: RouteRequest, scored: list[tuple[Replica, float]]) -> tuple[Replica, float]:
-        best = max(s for _, s in scored)
-        top = [pair for pair in scored if best - pair[1] <= 1e-12]
+    def __call__(self, req: RouteRequest, scored: list[Scored]) -> Scored:
+        top = _best(scored) if len(scored) > 1 else scored
         return top[0] if len(top) == 1 else self._rng.choice(top)
 
 
-class RoundRobinPicker:
-    """Takes the candidates in turn, whatever their scores."""
+@register_picker("round-robin")
+class RoundRobinPicker(Picker):
+    """Takes the best-scored candidates in turn, in name order (all of them when no scorer is set)."""
 
-    name = "round-robin"
-
-    def __init__(self) -> None:
+    def __init__(self, params: BaseModel | None = None) -> None:
+        super().__init__(params)
         self._turn = itertools.count()
 
-    def __call__(self, req: RouteRequest, scored: list[tuple[Replica, float]]) -> tuple[Replica, float]:
-        ordered = sorted(scored, key=lambda pair: pair[0].name)
+    def __call__(self, req: RouteRequest, scored: list[Scored]) -> Scored:
+        ordered = sorted(_best(scored), key=lambda pair: pair[0].name)
         return ordered[next(self._turn) % len(ordered)]
 
 
@@ -190,42 +284,99 @@ class RoundRobinPicker:
 
 
 class Policy:
-    def __init__(
-        self,
-        name: str,
-        scorers: Sequence[tuple[Scorer, float]],
-        picker: Picker,
-        filters: Sequence[Filter] = DEFAULT_FILTERS,
-    ) -> None:
+    def __init__(self, name: str, scorers: Sequence[tuple[Scorer, float]], picker: Picker,
+                 filters: Sequence[Filter] | None = None) -> None:
         self.name = name
-        self.filters = tuple(filters)
+        self.filters = tuple(filters) if filters is not None else tuple(FILTERS[f]() for f in DEFAULT_FILTERS)
         self.scorers = tuple(scorers)
         self.picker = picker
+        self.uses_prefix = any(s.uses_prefix for s, _ in self.scorers)
 
-    def candidates(self, req: RouteRequest, replicas: Sequence[Replica]) -> list[Replica]:
+    def candidates(self, req: RouteRequest, views: Sequence[ReplicaView]) -> list[ReplicaView]:
         """Run the filters; raise :class:`NoCandidate` naming the first one that left nobody."""
-        current = list(replicas)
+        current = list(views)
         for f in self.filters:
             current = f(req, current)
             if not current:
                 raise NoCandidate(f.when_empty)
         return current
 
-    def score(self, req: RouteRequest, replica: Replica) -> float:
-        return sum(w * s(req, replica) for s, w in self.scorers)
+    def score(self, req: RouteRequest, view: ReplicaView) -> float:
+        return sum(w * s(req, view) for s, w in self.scorers)
 
-    def choose(self, req: RouteRequest, replicas: Sequence[Replica]) -> Decision:
-        cands = self.candidates(req, replicas)
-        scored = [(r, self.score(req, r)) for r in cands]
-        replica, score = self.picker(req, scored)
-        return Decision(replica, self.name, score)
+    def choose(self, req: RouteRequest, views: Sequence[ReplicaView]) -> Scored:
+        cands = self.candidates(req, views)
+        scorers = self.scorers
+        if len(scorers) == 1:
+            s, w = scorers[0]
+            scored = [(v, w * s(req, v)) for v in cands]
+        else:
+            scored = [(v, sum(w * s(req, v) for s, w in scorers)) for v in cands]
+        return self.picker(req, scored)
 
 
-def build_policy(name: str, cache_aware: CacheAwareConfig | None = None) -> Policy:
-    if name == "cache-aware":
-        return Policy(name, [(PredictedTTFTScorer(cache_aware or CacheAwareConfig()), 1.0)], MaxScorePicker())
-    if name == "least-loaded":
-        return Policy(name, [(LoadScorer(), 1.0)], MaxScorePicker())
-    if name == "round-robin":
-        return Policy(name, [], RoundRobinPicker())
-    raise ValueError(f"unknown policy {name!r}")
+# -- building from the configuration -------------------------------------------------------
+
+PRESETS: dict[str, PolicyConfig] = {
+    "cache-aware": PolicyConfig(scorers=[StageConfig(name="predicted-ttft")]),
+    "least-loaded": PolicyConfig(scorers=[StageConfig(name="load"), StageConfig(name="session")]),
+    "round-robin": PolicyConfig(scorers=[StageConfig(name="session")], picker="round-robin"),
+}
+assert set(PRESETS) == set(POLICIES)
+
+
+def _resolve(table: dict[str, Any], base: type[Stage], what: str, field: str, name: str) -> type[Stage]:
+    cls = table.get(name)
+    if cls is not None:
+        return cls
+    if ":" in name:  # a plug-in: module:Class
+        module, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"invalid configuration:\n  {field}: cannot load {what} {name!r}: {e}") from None
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise ConfigError(f"invalid configuration:\n  {field}: {name!r} is not a {what} "
+                              f"(subclass router.policy.{base.__name__})")
+        return cls
+    known = ", ".join(sorted(table))
+    raise ConfigError(f"invalid configuration:\n  {field}: unknown {what} {name!r}; known: {known}, "
+                      "or module:Class for a plug-in")
+
+
+def _build(table: dict[str, Any], base: type[Stage], what: str, field: str, spec: str | StageConfig,
+           defaults: dict[str, dict[str, Any]]) -> Any:
+    if isinstance(spec, str):
+        spec = StageConfig(name=spec)
+    cls = _resolve(table, base, what, f"{field}.name", spec.name)
+    params = spec.params
+    if cls.Params is None:
+        if params:
+            raise ConfigError(f"invalid configuration:\n  {field}: {what} {spec.name!r} takes no parameters "
+                              f"(got {', '.join(sorted(params))})")
+        return cls()
+    try:
+        return cls(cls.Params.model_validate({**defaults.get(cls.name, {}), **params}))
+    except ValidationError as e:
+        lines = [f"  {field}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+
+
+def build_policy(spec: str | PolicyConfig = "cache-aware", cache_aware: CacheAwareConfig | None = None) -> Policy:
+    """A preset by name, or a pipeline from ``{filters, scorers, picker}``.
+
+    Raises :class:`~router.config.ConfigError` naming the field of an unknown stage or a bad parameter.
+    """
+    name = spec if isinstance(spec, str) else "custom"
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise ConfigError(f"invalid configuration:\n  policy: unknown policy {spec!r}; "
+                              f"choose one of: {', '.join(POLICIES)}")
+        spec = PRESETS[spec]
+    defaults = {"predicted-ttft": (cache_aware or CacheAwareConfig()).model_dump()}
+    filters = None if spec.filters is None else [
+        _build(FILTERS, Filter, "filter", f"policy.filters.{i}", f, defaults) for i, f in enumerate(spec.filters)]
+    scorers = [(_build(SCORERS, Scorer, "scorer", f"policy.scorers.{i}", s, defaults), s.weight)
+               for i, s in enumerate(spec.scorers)]
+    picker = _build(PICKERS, Picker, "picker", "policy.picker", spec.picker, defaults)
+    return Policy(name, scorers, picker, filters)

@@ -6,6 +6,11 @@ Background tasks check each replica's ``/health`` (then ``/v1/models``) and scra
 returns after ``health.rise_threshold`` consecutive good checks. A change of the replica's
 process start time (or a counter going backwards) means it restarted with an empty KV cache:
 the pool publishes :class:`~router.events.ReplicaRestarted`.
+
+The pool is the only writer of a replica's state. After every change it rebuilds the replica's
+:class:`~router.view.ReplicaView` (with no load in it), which the router completes with the load
+table's figures for each decision. With several worker processes each worker checks at
+``workers`` times the interval, staggered, so a replica sees the configured rate in all.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ import httpx
 
 from .config import HealthConfig, IndexConfig, PLATFORMS, ProxyConfig, ReplicaConfig
 from .events import EventBus, ReplicaReady, ReplicaRestarted, ReplicaUnready
+from .load import LoadTable
 from .metrics import Metrics
 from .replica_metrics import ReplicaStats, parse_metrics
 from .upstream import UpstreamPool
+from .view import ReplicaView, with_load
 
 log = logging.getLogger("kvroute.pool")
 
@@ -40,10 +47,6 @@ class Replica:
         self.url = config.url
         self.upstream = upstream
         self.state: State = "starting"
-        self.drained = False
-        self.inflight = 0
-        self.inflight_peak = 0  # highest in-flight count since the current scrape was sent
-        self.pending_prefill = 0  # prompt tokens routed here that have not produced a first byte yet
         self.default_blocks = default_blocks  # KV blocks assumed while neither config nor /metrics says
         self.model_cards: dict[str, dict[str, Any]] = {}
         self.models: frozenset[str] = frozenset(config.models)
@@ -58,12 +61,22 @@ class Replica:
         self.upstream_headers: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {config.api_key.get_secret_value()}"),) if config.api_key else ())
         # metric children resolved once, not per request
-        self.m_inflight = metrics.inflight.labels(self.name)
         self.m_ttfb = metrics.ttfb.labels(self.name)
         self.m_latency = metrics.latency.labels(self.name)
         self.m_ready = metrics.replica_ready.labels(self.name)
         self.m_ready.set(0)
         metrics.replica_draining.labels(self.name).set(0)
+        self.view = self.make_view()
+
+    def make_view(self) -> ReplicaView:
+        """This replica as routing sees it, without load (the load table adds that per decision)."""
+        cfg = self.config
+        return ReplicaView(
+            name=self.name, ready=self.ready, models=self.models,
+            max_num_seqs=cfg.max_num_seqs, capacity=cfg.capacity, block_size=self.block_size,
+            kv_blocks=self.kv_blocks, prefill_rate=cfg.prefill_rate,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            kv_usage=self.stats.kv_usage if self.stats is not None else 0.0, external_load=self.external_load)
 
     @property
     def ready(self) -> bool:
@@ -76,11 +89,6 @@ class Replica:
     @property
     def capacity(self) -> float:
         return self.config.capacity
-
-    @property
-    def load(self) -> float:
-        """This router's in-flight requests plus what other clients had running there at the last scrape."""
-        return self.inflight + self.external_load
 
     @property
     def block_size(self) -> int:
@@ -109,20 +117,16 @@ class Replica:
             "url": self.url,
             "state": self.state,
             "ready": self.ready,
-            "drained": self.drained,
             "models": sorted(self.models),
             "platform": self.config.platform,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "pipeline_parallel_size": self.config.pipeline_parallel_size,
             "max_num_seqs": self.slots,
             "capacity": self.capacity,
-            "inflight": self.inflight,
             "external_load": self.external_load,
-            "load": self.load,
             "block_size": self.block_size,
             "num_gpu_blocks": self.kv_blocks,
             "prefill_tokens_per_s": self.prefill_rate,
-            "pending_prefill_tokens": self.pending_prefill,
             "engine": None if s is None else {
                 "running": s.running,
                 "waiting": s.waiting,
@@ -145,10 +149,16 @@ class ReplicaPool:
         health: HealthConfig,
         proxy: ProxyConfig,
         metrics: Metrics,
+        load: LoadTable,
         events: EventBus | None = None,
         default_blocks: int = _DEFAULT_BLOCKS,
+        worker: int = 0,
+        workers: int = 1,
     ) -> None:
         self.health = health
+        self.load = load
+        self.worker = worker
+        self.workers = workers
         self.metrics = metrics
         self.events = events or EventBus()
         self._control = httpx.AsyncClient(
@@ -187,6 +197,21 @@ class ReplicaPool:
     def get(self, name: str) -> Replica | None:
         return self.replicas.get(name)
 
+    def views(self) -> list[ReplicaView]:
+        """Every replica as routing sees it now: its state with this host's load (a fresh, immutable list)."""
+        figures = self.load.figures
+        return [with_load(r.view, *figures(r.name)) for r in self.replicas.values()]
+
+    def view_of(self, name: str) -> ReplicaView | None:
+        r = self.replicas.get(name)
+        return None if r is None else with_load(r.view, *self.load.figures(name))
+
+    def describe(self, r: Replica) -> dict[str, Any]:
+        out = r.describe()
+        out.update(self.load.describe(r.name))
+        out["load"] = out["inflight"] + r.external_load
+        return out
+
     def ready_models(self) -> dict[str, dict[str, Any]]:
         """Model id -> model card, over the ready replicas."""
         out: dict[str, dict[str, Any]] = {}
@@ -208,6 +233,7 @@ class ReplicaPool:
         if r.state != "ready" or (not immediate and r.fails < self.health.fail_threshold):
             return
         r.state = "unready"
+        r.view = r.make_view()
         r.m_ready.set(0)
         log.warning("replica %s is unready: %s", r.name, reason, extra={"replica": r.name})
         self.events.publish(ReplicaUnready(r.name, reason))
@@ -219,13 +245,14 @@ class ReplicaPool:
         if r.state == "starting" or (r.state == "unready" and r.successes >= self.health.rise_threshold):
             # a replica seen down and back may be a new process: its /metrics start time tells
             r.state = "ready"
+            r.view = r.make_view()
             r.m_ready.set(1)
             log.info("replica %s is ready (models: %s)", r.name, ", ".join(sorted(r.models)) or "-",
                      extra={"replica": r.name})
             self.events.publish(ReplicaReady(r.name))
 
     def set_drained(self, r: Replica, drained: bool) -> None:
-        r.drained = drained
+        self.load.set_drained(r.name, drained)
         self.metrics.replica_draining.labels(r.name).set(1 if drained else 0)
         log.info("replica %s %s", r.name, "drained" if drained else "undrained", extra={"replica": r.name})
         if not drained:
@@ -260,11 +287,14 @@ class ReplicaPool:
                 cards[card["id"]] = card
         r.model_cards = cards
         if not r.config.models:
-            r.models = frozenset(cards)
+            models = frozenset(cards)
+            if models != r.models:
+                r.models = models
+                r.view = r.make_view()
 
     async def scrape(self, r: Replica) -> None:
         """One scrape of /metrics: engine load, KV usage and size, restarts."""
-        r.inflight_peak = r.inflight
+        self.load.mark_peak(r.name)
         try:
             resp = await self._control.get(r.url + "/metrics", headers=r.upstream_headers)
         except httpx.HTTPError:
@@ -283,7 +313,8 @@ class ReplicaPool:
         # The engine's count includes this router's requests. Any of them may have started or ended
         # while the scrape was under way, so subtract the most this router had there meanwhile:
         # what is left is load from other clients (other router instances, direct traffic).
-        r.external_load = max(0.0, stats.running + stats.waiting - r.inflight_peak)
+        r.external_load = max(0.0, stats.running + stats.waiting - self.load.peak(r.name))
+        r.view = r.make_view()
         self.metrics.replica_engine_load.labels(r.name).set(stats.running + stats.waiting)
         self.metrics.replica_kv_usage.labels(r.name).set(stats.kv_usage)
 
@@ -294,18 +325,25 @@ class ReplicaPool:
         return cur.prefix_queries < prev.prefix_queries  # a counter only goes back when the process is new
 
     async def _health_loop(self, r: Replica) -> None:
+        interval = self.health.interval_s * self.workers
+        first = True
         while True:
             try:
                 await self.check(r)
             except Exception:  # keep checking whatever happens
                 log.exception("health check of %s crashed", r.name)
-            await asyncio.sleep(self.health.interval_s)
+            # every worker checks at start; then they take turns
+            await asyncio.sleep(interval + (self.worker * self.health.interval_s if first else 0.0))
+            first = False
 
     async def _metrics_loop(self, r: Replica) -> None:
+        interval = self.health.metrics_interval_s * self.workers
+        first = True
         while True:
             if r.state != "unready":
                 try:
                     await self.scrape(r)
                 except Exception:
                     log.exception("metrics scrape of %s crashed", r.name)
-            await asyncio.sleep(self.health.metrics_interval_s)
+            await asyncio.sleep(interval + (self.worker * self.health.metrics_interval_s if first else 0.0))
+            first = False

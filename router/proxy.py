@@ -1,4 +1,8 @@
-"""Forwarding: send a request to the chosen replica and relay its answer byte for byte.
+"""Forwarding: send a request to the replica the router chose and relay its answer byte for byte.
+
+The router decides where each attempt goes and hands out a ticket; this module sends, relays,
+tells the ticket how the attempt went (first byte, failure kind, end), and logs. What a failure
+kind means (retry or not, the client's status) is in :data:`router.failures.KINDS`.
 
 Attempts: a connection error, a timeout before the response started, or a 5xx/429 answer is
 tried again on another replica (never the same one twice, at most ``proxy.max_attempts``
@@ -19,22 +23,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import errors
-from .admission import Admission
-from .matching import Matcher
 from .config import ProxyConfig
 from .errors import GatewayError
+from .failures import KINDS
 from .metrics import Metrics
-from .policy import NoCandidate, RouteRequest
-from .pool import Replica, ReplicaPool
-from .upstream import ConnectFailed, ReadTimeout, UpstreamError, UpstreamResponse
+from .pool import ReplicaPool
+from .request import RouteRequest
+from .routing import Router, Ticket
+from .upstream import ReadTimeout, UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvroute.proxy")
 
 # Request headers a client may pass on to a replica (credentials never: they come from config).
-_FORWARD_REQUEST_HEADERS = ("content-type", "accept", "accept-encoding", "traceparent", "tracestate",
-                            "x-session-id", "openai-organization", "openai-project")
-# Response headers that describe one hop only.
+_FORWARD_REQUEST_HEADERS = frozenset({"content-type", "accept", "accept-encoding", "traceparent", "tracestate",
+                                      "x-session-id", "openai-organization", "openai-project"})
+# Response headers that describe one hop only (the upstream parser gives names in lower case).
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
                          b"proxy-authenticate", b"proxy-connection", b"date", b"server", b"x-request-id"})
 _MAX_ERROR_BODY = 64 * 1024
@@ -49,7 +52,7 @@ class Call:
     model: str | None
     stream: bool
     request_id: str
-    headers: dict[str, str]
+    headers: list[tuple[str, str]]
     started: float
     route: RouteRequest
     attempts: int = 0
@@ -57,7 +60,7 @@ class Call:
     replica: str = "none"
     status: int = 0
     ttfb: float | None = None
-    pending_prefill: int = 0  # prompt tokens counted in the replica's pending prefill until the first byte
+    ticket: Ticket | None = None  # the latest attempt's
     sent_at: float = 0.0  # the last attempt's request went to the replica
     upstream_ttfb: float | None = None  # from then to the replica's first body byte
 
@@ -66,33 +69,31 @@ class Call:
 class _Failure:
     """The latest failed attempt, answered to the client if no attempt succeeds."""
 
-    replica: Replica
+    replica: str
     kind: str
     status: int | None = None
     headers: list[tuple[bytes, bytes]] | None = None
     body: bytes = b""
 
 
-class _ClientGone(Exception):
-    pass
-
-
-def client_headers(scope_headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    out = {}
+def client_headers(scope_headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    """The client's headers a replica may see (never its credentials)."""
+    out = []
+    has_encoding = False
     for k, v in scope_headers:
         name = k.decode("latin-1")
         if name in _FORWARD_REQUEST_HEADERS:
-            out[name] = v.decode("latin-1")
-    out.setdefault("accept-encoding", "identity")
+            out.append((name, v.decode("latin-1")))
+            has_encoding = has_encoding or name == "accept-encoding"
+    if not has_encoding:
+        out.append(("accept-encoding", "identity"))
     return out
 
 
 class Forwarder:
-    def __init__(self, pool: ReplicaPool, admission: Admission, cfg: ProxyConfig, metrics: Metrics,
-                 matcher: Matcher | None = None) -> None:
+    def __init__(self, router: Router, pool: ReplicaPool, cfg: ProxyConfig, metrics: Metrics) -> None:
+        self.router = router
         self.pool = pool
-        self.matcher = matcher
-        self.admission = admission
         self.cfg = cfg
         self.metrics = metrics
 
@@ -140,62 +141,46 @@ class Forwarder:
 
     async def _serve(self, call: Call, send: Any) -> None:
         failure: _Failure | None = None
-        matcher = self.matcher
-        if matcher is not None and call.route.key is not None:
-            call.route.session_replica = matcher.session_replica(call.route.session_id)
-            await matcher.annotate(call.route, list(self.pool))
         while True:
             try:
-                decision = await self.admission.admit(call.route)
-            except NoCandidate as e:
-                if failure is not None:
-                    return await self._give_up(call, send, failure)
-                raise self._no_candidate(call, e) from None
+                ticket = await self.router.route(call.route)
             except GatewayError:
-                if failure is not None:  # no more free replicas to try: answer the last failure
+                if failure is not None:  # no replica left to try: answer the last failure
                     return await self._give_up(call, send, failure)
                 raise
-            replica = decision.replica
             call.attempts += 1
-            call.replica = replica.name
-            if matcher is not None:
-                matcher.record(call.route, replica)
-            pending = call.route.uncached(replica.name)
-            replica.pending_prefill += pending
-            call.pending_prefill = pending
+            call.replica = ticket.name
+            call.ticket = ticket
             try:
-                failure = await self._attempt(call, replica, send)
-            finally:
-                self._prefill_done(call, replica)
-                self.admission.release(replica)
+                failure = await self._attempt(call, ticket, send)
+            except BaseException:  # the client left, or the answer broke after it started
+                ticket.finish(call.status or 499)
+                raise
             if failure is None:
+                ticket.finish(call.status)
                 return
-            call.route.exclude.add(replica.name)
-            self.metrics.upstream_errors.labels(replica.name, failure.kind).inc()
-            if call.attempts >= self.cfg.max_attempts:
+            ticket.failed(failure.kind)
+            self.metrics.upstream_errors.labels(ticket.name, failure.kind).inc()
+            if not KINDS[failure.kind].retry or call.attempts >= self.cfg.max_attempts:
                 return await self._give_up(call, send, failure)
             self.metrics.retries.labels(failure.kind).inc()
-            log.info("attempt %d on %s failed (%s); trying another replica", call.attempts, replica.name,
-                     failure.kind, extra={"request_id": call.request_id, "replica": replica.name})
+            log.info("attempt %d on %s failed (%s); trying another replica", call.attempts, ticket.name,
+                     failure.kind, extra={"request_id": call.request_id, "replica": ticket.name})
             backoff = self.cfg.retry_backoff_s * (2 ** (call.attempts - 1)) * random.uniform(0.5, 1.5)
             if backoff:
                 await asyncio.sleep(backoff)
 
-    async def _attempt(self, call: Call, replica: Replica, send: Any) -> _Failure | None:
+    async def _attempt(self, call: Call, ticket: Ticket, send: Any) -> _Failure | None:
         """One try on one replica. Returns a failure that may be retried, or None once answered."""
+        replica = ticket.replica
         assert replica.upstream is not None
-        headers = list(call.headers.items())
-        headers.append(("x-request-id", call.request_id))
-        headers.extend(replica.upstream_headers)
+        headers = call.headers + [("x-request-id", call.request_id), *replica.upstream_headers]
         wait = self.cfg.stream_idle_timeout_s if call.stream else self.cfg.request_timeout_s
         call.sent_at = time.perf_counter()
         try:
             upstream = await replica.upstream.request(b"POST", call.path, headers, call.body, wait)
-        except ConnectFailed:
-            self.pool.mark_failure(replica, "connection refused by the proxy path", immediate=True)
-            return _Failure(replica, "connect")
         except UpstreamError as e:
-            return _Failure(replica, e.kind)
+            return _Failure(ticket.name, e.kind)
         try:
             status = upstream.status
             if status >= 500 or status == 429:
@@ -204,18 +189,18 @@ class Forwarder:
                 except UpstreamError:
                     body = b""
                 kind = "status_429" if status == 429 else "status_5xx"
-                return _Failure(replica, kind, status, upstream.headers, body)
-            await self._relay(call, replica, upstream, send, wait)
+                return _Failure(ticket.name, kind, status, upstream.headers, body)
+            await self._relay(call, ticket, upstream, send, wait)
             return None
         finally:
             upstream.release()
 
-    async def _relay(self, call: Call, replica: Replica, upstream: UpstreamResponse, send: Any,
+    async def _relay(self, call: Call, ticket: Ticket, upstream: UpstreamResponse, send: Any,
                      wait: float) -> None:
         call.status = upstream.status
         sse = (upstream.header(b"content-type") or b"").startswith(b"text/event-stream")
         await send({"type": "http.response.start", "status": upstream.status,
-                    "headers": self._response_headers(call, replica, upstream.headers)})
+                    "headers": _response_headers(call, ticket, upstream.headers)})
         tail = b"\n\n"
         try:
             while True:
@@ -223,100 +208,70 @@ class Forwarder:
                 if chunk is None:
                     break
                 if call.ttfb is None:
-                    self._prefill_done(call, replica)
+                    ticket.first_byte(call.status)
                     now = time.perf_counter()
                     call.upstream_ttfb = now - call.sent_at
                     call.ttfb = now - call.started
-                    replica.m_ttfb.observe(call.ttfb)
+                    ticket.replica.m_ttfb.observe(call.ttfb)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 tail = chunk[-2:]
-        except ReadTimeout:
-            call.outcome = "stream_idle_timeout"
-            self.metrics.upstream_errors.labels(replica.name, "stream_idle_timeout").inc()
-            if not sse:
-                raise
-            await send({"type": "http.response.body", "more_body": False, "body": _sse_error(
-                tail, f"the replica sent nothing for {wait:g} s", "timeout", "stream_idle_timeout")})
-            return
         except UpstreamError as e:
-            call.outcome = "upstream_broke"
-            self.metrics.upstream_errors.labels(replica.name, "stream_broken").inc()
-            log.warning("stream from %s broke: %s", replica.name, e,
-                        extra={"request_id": call.request_id, "replica": replica.name})
+            idle = isinstance(e, ReadTimeout)
+            kind = KINDS["stream_idle_timeout" if idle else "stream_broken"]
+            call.outcome = "stream_idle_timeout" if idle else "upstream_broke"
+            self.metrics.upstream_errors.labels(ticket.name, kind.label).inc()
+            if not idle:
+                log.warning("stream from %s broke: %s", ticket.name, e,
+                            extra={"request_id": call.request_id, "replica": ticket.name})
             if not sse:
                 raise
-            await send({"type": "http.response.body", "more_body": False, "body": _sse_error(
-                tail, "the replica ended the stream unexpectedly", "upstream_error", "upstream_disconnected")})
+            message = f"the replica sent nothing for {wait:g} s" if idle else kind.message
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": _sse_error(tail, message, kind.type, kind.code)})
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    @staticmethod
-    def _prefill_done(call: Call, replica: Replica) -> None:
-        if call.pending_prefill:
-            replica.pending_prefill -= call.pending_prefill
-            call.pending_prefill = 0
-
-    def _response_headers(self, call: Call, replica: Replica, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        out = [(k, v) for k, v in raw if k.lower() not in _HOP_BY_HOP]
-        out.append((b"x-request-id", call.request_id.encode("latin-1")))
-        out.append((b"x-kvroute-replica", replica.name.encode("latin-1")))
-        if call.route.key is not None:
-            out.append((b"x-kvroute-cached-tokens", b"%d" % call.route.cached.get(replica.name, 0)))
-        return out
 
     async def _give_up(self, call: Call, send: Any, failure: _Failure) -> None:
         """Every attempt failed: answer the last replica's error as it was, or our own."""
         if failure.status is not None and failure.headers is not None:
             call.status = failure.status
             call.outcome = "upstream_error"
-            headers = [(k, v) for k, v in failure.headers if k.lower() not in _HOP_BY_HOP and k.lower() != b"content-length"]
+            headers = [(k, v) for k, v in failure.headers if k not in _HOP_BY_HOP and k != b"content-length"]
             headers += [(b"content-length", str(len(failure.body)).encode()),
                         (b"x-request-id", call.request_id.encode("latin-1")),
-                        (b"x-kvroute-replica", failure.replica.name.encode("latin-1"))]
+                        (b"x-kvroute-replica", failure.replica.encode("latin-1"))]
             await send({"type": "http.response.start", "status": failure.status, "headers": headers})
             await send({"type": "http.response.body", "body": failure.body})
             return
-        if failure.kind in ("timeout", "connect_timeout"):
-            raise errors.upstream_timeout(f"replica {failure.replica.name} did not answer in time "
-                                          f"({call.attempts} attempt(s))")
-        raise errors.upstream_failed(f"no replica could be reached ({call.attempts} attempt(s), "
-                                     f"last: {failure.replica.name}, {failure.kind})")
-
-    def _no_candidate(self, call: Call, e: NoCandidate) -> GatewayError:
-        if e.why == "unknown_model":
-            configured = any(call.model in r.config.models for r in self.pool)
-            if not configured:
-                return errors.model_not_found(call.model or "")
-        return errors.no_ready_replica(call.model)
+        kind = KINDS[failure.kind]
+        raise GatewayError(kind.status, f"no replica answered ({call.attempts} attempt(s), last: {failure.replica}, "
+                           f"{kind.message})", kind.type, kind.code)
 
     def _record(self, call: Call) -> None:
         elapsed = time.perf_counter() - call.started
-        replica = self.pool.get(call.replica)
-        if replica is not None and call.attempts:
-            replica.m_latency.observe(elapsed)
+        ticket = call.ticket
+        if ticket is not None and ticket.name == call.replica:
+            ticket.replica.m_latency.observe(elapsed)
         self.metrics.requests.labels(call.model or "", call.replica, str(call.status)).inc()
-        route = call.route
         decision: dict[str, Any] = {}
-        if route.key is not None and call.attempts and self.matcher is not None:
-            cached = route.cached.get(call.replica, 0)
-            self.metrics.prompt_tokens.labels(call.model or "").inc(route.prompt_tokens)
-            self.metrics.cached_tokens.labels(call.model or "").inc(cached)
-            if route.index_fallback:
-                reason = "fallback"
-            elif cached > 0 and cached >= max(route.cached.values(), default=0):
-                reason = "cache"
-            else:
-                reason = "load"
-            self.metrics.decisions.labels(reason).inc()
-            decision = {"prompt_tokens": route.prompt_tokens, "cached_tokens": cached, "decision": reason}
-            if 200 <= call.status < 300:
-                self.matcher.remember_session(route.session_id, call.replica)
+        if ticket is not None and ticket.reason is not None:
+            decision = {"prompt_tokens": call.route.prompt_tokens, "cached_tokens": ticket.cached_tokens,
+                        "decision": ticket.reason}
         log.info("%s %s -> %s %d %s", call.path, call.model, call.replica, call.status, call.outcome,
                  extra={"request_id": call.request_id, "replica": call.replica, "model": call.model,
                         "status": call.status, "outcome": call.outcome, "attempts": call.attempts,
                         "ttfb_ms": None if call.ttfb is None else round(call.ttfb * 1e3, 2),
                         "upstream_ttfb_ms": None if call.upstream_ttfb is None else round(call.upstream_ttfb * 1e3, 2),
                         "duration_ms": round(elapsed * 1e3, 2), "stream": call.stream, **decision})
+
+
+def _response_headers(call: Call, ticket: Ticket, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    out = [(k, v) for k, v in raw if k not in _HOP_BY_HOP]
+    out.append((b"x-request-id", call.request_id.encode("latin-1")))
+    out.append((b"x-kvroute-replica", ticket.name.encode("latin-1")))
+    if ticket.reason is not None:
+        out.append((b"x-kvroute-cached-tokens", b"%d" % ticket.cached_tokens))
+    return out
 
 
 async def send_error(send: Any, e: GatewayError, request_id: str) -> None:

@@ -27,23 +27,51 @@ _LOW_WATER = 64 * 1024
 
 
 class UpstreamError(Exception):
+    """Base of every failure talking to a replica. ``kind`` names its row in :data:`router.failures.KINDS`."""
+
     kind = "protocol"
 
 
-class ConnectFailed(UpstreamError):
+class TransportError(UpstreamError):
+    """The connection could not be made or broke."""
+
+    kind = "closed"
+
+
+class ConnectFailed(TransportError):
     kind = "connect"
 
 
-class ConnectTimeout(UpstreamError):
-    kind = "connect_timeout"
+class RemoteClosed(TransportError):
+    kind = "closed"
 
 
-class ReadTimeout(UpstreamError):
+class ProtocolError(UpstreamError):
+    """The replica sent something that is not HTTP/1.1."""
+
+    kind = "protocol"
+
+
+class UpstreamTimeout(UpstreamError):
+    """A wait on the replica ran out."""
+
     kind = "timeout"
 
 
-class RemoteClosed(UpstreamError):
-    kind = "closed"
+class ConnectTimeout(UpstreamTimeout):
+    kind = "connect_timeout"
+
+
+class ResponseTimeout(UpstreamTimeout):
+    """No status line and headers within the limit."""
+
+    kind = "timeout"
+
+
+class ReadTimeout(UpstreamTimeout):
+    """The body went silent for longer than the limit."""
+
+    kind = "timeout"
 
 
 class _Connection(asyncio.Protocol):
@@ -73,7 +101,7 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            self.response._fail(UpstreamError(f"invalid HTTP from the replica: {e}"))
+            self.response._fail(ProtocolError(f"invalid HTTP from the replica: {e}"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -182,10 +210,10 @@ class UpstreamResponse:
 
     # -- used by the proxy ------------------------------------------------------------------
 
-    async def _wait(self, fut: asyncio.Future[None], timeout: float, what: str) -> None:
+    async def _wait(self, fut: asyncio.Future[None], timeout: float, error: type[UpstreamTimeout], what: str) -> None:
         def expire() -> None:
             if not fut.done():
-                fut.set_exception(ReadTimeout(f"no {what} from the replica for {timeout:g} s"))
+                fut.set_exception(error(f"no {what} from the replica for {timeout:g} s"))
 
         timer = self._loop.call_later(timeout, expire)
         try:
@@ -194,7 +222,7 @@ class UpstreamResponse:
             timer.cancel()
 
     async def wait_headers(self, timeout: float) -> None:
-        await self._wait(self._headers_ready, timeout, "response")
+        await self._wait(self._headers_ready, timeout, ResponseTimeout, "response")
 
     async def next_chunk(self, timeout: float) -> bytes | None:
         """The next body chunk as the replica framed it, or None at the end of the body."""
@@ -212,7 +240,7 @@ class UpstreamResponse:
                 raise self._error
             self._waiter = self._loop.create_future()
             try:
-                await self._wait(self._waiter, timeout, "data")
+                await self._wait(self._waiter, timeout, ReadTimeout, "data")
             finally:
                 self._waiter = None
 

@@ -32,6 +32,11 @@ class Runner:
         return asyncio.run(main())
 
 
+async def lookup(index, model, chain, replicas):
+    """Leading blocks of ``chain`` held per replica."""
+    return {r: m.blocks for r, m in (await index.probe(model, chain, replicas)).matches.items()}
+
+
 @pytest.fixture(params=["memory", "redis"])
 def run(request, redis_proc):
     spec = "memory" if request.param == "memory" else f"redis://127.0.0.1:{redis_proc.port}/0"
@@ -40,7 +45,7 @@ def run(request, redis_proc):
 
 def test_empty_index_matches_nothing(run):
     async def go(index):
-        return await index.lookup("m", [1, 2, 3], ["a", "b"])
+        return await lookup(index, "m", [1, 2, 3], ["a", "b"])
     assert run(go) == {"a": 0, "b": 0}
 
 
@@ -48,7 +53,7 @@ def test_lookup_counts_leading_blocks_per_replica(run):
     async def go(index):
         await index.record("m", "a", [1, 2, 3, 4], 100)
         await index.record("m", "b", [1, 2], 100)
-        return await index.lookup("m", [1, 2, 3, 9, 4], ["a", "b", "c"])
+        return await lookup(index, "m", [1, 2, 3, 9, 4], ["a", "b", "c"])
     assert run(go) == {"a": 3, "b": 2, "c": 0}
 
 
@@ -57,14 +62,15 @@ def test_probe_gives_the_match_and_the_blocks_held_per_replica(run):
         await index.record("m", "a", [1, 2, 3, 4], 100)
         await index.record("m", "a", [7, 8], 100)
         await index.record("m", "b", [1], 100)
-        return await index.probe("m", [1, 2, 5], ["a", "b", "c"]), await index.probe("m", [], ["a"])
+        return ((await index.probe("m", [1, 2, 5], ["a", "b", "c"])).matches,
+                (await index.probe("m", [], ["a"])).matches)
     assert run(go) == ({"a": (2, 6), "b": (1, 1), "c": (0, 0)}, {"a": (0, 6)})
 
 
 def test_models_are_separate(run):
     async def go(index):
         await index.record("m1", "a", [1, 2], 100)
-        return await index.lookup("m2", [1, 2], ["a"])
+        return await lookup(index, "m2", [1, 2], ["a"])
     assert run(go) == {"a": 0}
 
 
@@ -72,8 +78,8 @@ def test_capacity_evicts_least_recently_used_tail_first(run):
     async def go(index):
         await index.record("m", "a", [1, 2, 3, 4], 4)
         await index.record("m", "a", [5, 6], 4)  # 2 blocks over: the oldest go, tail (4, 3) before root
-        first = await index.lookup("m", [1, 2, 3, 4], ["a"])
-        second = await index.lookup("m", [5, 6], ["a"])
+        first = await lookup(index, "m", [1, 2, 3, 4], ["a"])
+        second = await lookup(index, "m", [5, 6], ["a"])
         return first, second, await index.size("m", "a")
     assert run(go) == ({"a": 2}, {"a": 2}, 4)
 
@@ -84,7 +90,7 @@ def test_recording_again_refreshes_a_chain(run):
         await index.record("m", "a", [7], 3)
         await index.record("m", "a", [1, 2], 3)  # refreshed: 7 is now the oldest
         await index.record("m", "a", [8], 3)
-        return await index.lookup("m", [1, 2], ["a"]), await index.lookup("m", [7], ["a"])
+        return await lookup(index, "m", [1, 2], ["a"]), await lookup(index, "m", [7], ["a"])
     assert run(go) == ({"a": 2}, {"a": 0})
 
 
@@ -93,7 +99,7 @@ def test_forget_drops_only_that_replica(run):
         await index.record("m", "a", [1, 2], 10)
         await index.record("m", "b", [1, 2], 10)
         await index.forget("a", ["m"])
-        return await index.lookup("m", [1, 2], ["a", "b"])
+        return await lookup(index, "m", [1, 2], ["a", "b"])
     assert run(go) == {"a": 0, "b": 2}
 
 
@@ -101,7 +107,7 @@ def test_long_chains(run):
     chain = list(range(10_000, 12_000))
     async def go(index):
         await index.record("m", "a", chain, 5000)
-        return await index.lookup("m", chain + [1], ["a"]), await index.size("m", "a")
+        return await lookup(index, "m", chain + [1], ["a"]), await index.size("m", "a")
     assert run(go) == ({"a": 2000}, 2000)
 
 
@@ -109,7 +115,7 @@ def test_full_64_bit_hashes(run):
     chain = [2**64 - 1, 2**63, 0, 12345678901234567890]
     async def go(index):
         await index.record("m", "a", chain, 10)
-        return await index.lookup("m", chain, ["a"])
+        return await lookup(index, "m", chain, ["a"])
     assert run(go) == {"a": 4}
 
 
@@ -136,11 +142,38 @@ def test_held_blocks_of_any_chain_form_a_prefix_and_lookups_find_it(run, seed):
             await index.record("m", rng.choice("ab"), c, 25)
         mismatches = []
         for c in chains:
-            found = await index.lookup("m", c, ["a", "b"])
+            found = await lookup(index, "m", c, ["a", "b"])
             for r in "ab":
-                held = [(await index.lookup("m", [h], [r]))[r] == 1 for h in c]
+                held = [(await lookup(index, "m", [h], [r]))[r] == 1 for h in c]
                 leading = held.index(False) if False in held else len(held)
                 if held[leading:].count(True) or found[r] != leading:
                     mismatches.append((r, held, found[r]))
         return mismatches
     assert run(go) == []
+
+
+def test_withdrawing_a_record_removes_the_blocks_it_added(run):
+    async def go(index):
+        await index.record("m", "a", [1, 2], 100)
+        receipt = await index.record("m", "a", [1, 2, 3, 4], 100)
+        await index.withdraw(receipt)
+        return await lookup(index, "m", [1, 2, 3, 4], ["a"]), await index.size("m", "a")
+    assert run(go) == ({"a": 2}, 2)
+
+
+def test_withdrawing_keeps_blocks_a_later_record_touched(run):
+    async def go(index):
+        first = await index.record("m", "a", [1, 2, 3], 100)
+        await index.record("m", "a", [1, 2, 3, 4], 100)
+        await index.withdraw(first)
+        return await lookup(index, "m", [1, 2, 3, 4], ["a"])
+    assert run(go) == {"a": 4}
+
+
+def test_withdrawing_one_replica_leaves_the_others(run):
+    async def go(index):
+        await index.record("m", "b", [1, 2, 3], 100)
+        receipt = await index.record("m", "a", [1, 2, 3], 100)
+        await index.withdraw(receipt)
+        return await lookup(index, "m", [1, 2, 3], ["a", "b"])
+    assert run(go) == {"a": 0, "b": 3}

@@ -1,132 +1,180 @@
-"""The routing stage piece by piece: filters, the load scorer, pickers and policies."""
+"""The routing stage piece by piece: filters, scorers and pickers on plain replica views, and policies."""
 
 import collections
 import random
 
 import pytest
 
-from router.config import ReplicaConfig
+from router.config import PLATFORMS, CacheAwareConfig, ConfigError, PolicyConfig, ReplicaConfig
 from router.metrics import Metrics
-from router.policy import (BELOW_CAPACITY, LoadScorer, MaxScorePicker, NoCandidate, RoundRobinPicker, RouteRequest,
-                           build_policy)
-from router.pool import Replica
+from router.policy import (BelowCapacity, KVUsageScorer, LoadScorer, MaxScorePicker, NoCandidate,
+                           PredictedTTFTScorer, RoundRobinPicker, SessionScorer, build_policy)
+from router.request import RouteRequest
+from router.view import ReplicaView
 
 
-def replica(name, inflight=0, ready=True, models=("m",), drained=False, **cfg):
-    r = Replica(ReplicaConfig(name=name, url=f"http://{name}:8000", models=list(models), **cfg), None, Metrics())
-    r.state = "ready" if ready else "unready"
-    r.inflight = inflight
-    r.drained = drained
+def view(name, inflight=0, ready=True, models=("m",), drained=False, pending=0, kv_usage=0.0, external=0.0,
+         **cfg):
+    """A replica as a filter or scorer sees it, from literals (capacity and rates as the config derives them)."""
+    c = ReplicaConfig(name=name, url=f"http://{name}:8000", **cfg)
+    return ReplicaView(name=name, ready=ready, drained=drained, models=frozenset(models),
+                       max_num_seqs=c.max_num_seqs, capacity=c.capacity,
+                       block_size=c.block_size or PLATFORMS[c.platform].block_size,
+                       kv_blocks=c.num_gpu_blocks or 16384, prefill_rate=c.prefill_rate,
+                       max_num_batched_tokens=c.max_num_batched_tokens, kv_usage=kv_usage,
+                       external_load=external, inflight=inflight, pending_prefill=pending)
+
+
+def req(model="m", exclude=(), session=None, prompt=0, cached=None, occupancy=None):
+    r = RouteRequest(model=model, request_id="r", endpoint="/v1/completions", exclude=set(exclude))
+    r.session_replica = session
+    r.prompt_tokens, r.cached, r.occupancy = prompt, dict(cached or {}), dict(occupancy or {})
     return r
 
 
-def req(model="m", exclude=()):
-    return RouteRequest(model=model, request_id="r", endpoint="/v1/completions", exclude=set(exclude))
+# -- filters ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pool, model, why", [
+@pytest.mark.parametrize("views, model, why", [
     ([], "m", "no_ready"),
-    ([replica("a", ready=False)], "m", "no_ready"),
-    ([replica("a", models=("x",))], "m", "unknown_model"),
-    ([replica("a", drained=True)], "m", "drained"),
-    ([replica("a", inflight=2, max_num_seqs=2)], "m", "at_capacity"),
+    ([view("a", ready=False)], "m", "no_ready"),
+    ([view("a", models=("x",))], "m", "unknown_model"),
+    ([view("a", drained=True)], "m", "drained"),
+    ([view("a", inflight=2, max_num_seqs=2)], "m", "at_capacity"),
 ])
-def test_filters_say_why_nobody_is_left(pool, model, why):
+def test_filters_say_why_nobody_is_left(views, model, why):
     with pytest.raises(NoCandidate) as e:
-        build_policy("least-loaded").candidates(req(model), pool)
+        build_policy("least-loaded").candidates(req(model), views)
     assert e.value.why == why
 
 
 def test_tried_replicas_are_excluded():
-    pool = [replica("a"), replica("b")]
-    assert [r.name for r in build_policy("least-loaded").candidates(req(exclude={"a"}), pool)] == ["b"]
+    views = [view("a"), view("b")]
+    assert [v.name for v in build_policy("least-loaded").candidates(req(exclude={"a"}), views)] == ["b"]
 
 
 def test_below_capacity_keeps_replicas_with_a_free_slot():
-    pool = [replica("a", inflight=3, max_num_seqs=4), replica("b", inflight=4, max_num_seqs=4)]
-    assert [r.name for r in BELOW_CAPACITY(req(), pool)] == ["a"]
+    views = [view("a", inflight=3, max_num_seqs=4), view("b", inflight=4, max_num_seqs=4)]
+    assert [v.name for v in BelowCapacity()(req(), views)] == ["a"]
+
+
+# -- scorers ---------------------------------------------------------------------------------
 
 
 def test_load_score_falls_with_load_and_rises_with_capacity():
     s = LoadScorer()
-    assert s(req(), replica("a", inflight=0)) > s(req(), replica("b", inflight=5))
-    tp1 = replica("tp1", inflight=8, platform="gaudi2", tensor_parallel_size=1)
-    tp8 = replica("tp8", inflight=8, platform="gaudi2", tensor_parallel_size=8)
+    assert s(req(), view("a", inflight=0)) > s(req(), view("b", inflight=5))
+    tp1 = view("tp1", inflight=8, platform="gaudi2", tensor_parallel_size=1)
+    tp8 = view("tp8", inflight=8, platform="gaudi2", tensor_parallel_size=8)
     assert s(req(), tp8) > s(req(), tp1)
     assert 0 < s(req(), tp1) <= 1
 
 
-def test_least_loaded_picks_the_lowest_relative_load():
-    pool = [replica("a", inflight=5), replica("b", inflight=2), replica("c", inflight=9)]
-    assert build_policy("least-loaded").choose(req(), pool).replica.name == "b"
+def test_session_scorer_rates_only_the_sessions_replica():
+    s = SessionScorer()
+    assert (s(req(session="b"), view("a")), s(req(session="b"), view("b")), s(req(), view("b"))) == (0.0, 1.0, 0.0)
 
 
-def test_least_loaded_weighs_the_tensor_parallel_group():
-    """A TP-8 replica with 4x the requests of a TP-1 one is still the less loaded."""
-    pool = [replica("tp1", inflight=2, tensor_parallel_size=1), replica("tp8", inflight=8, tensor_parallel_size=8)]
-    assert build_policy("least-loaded").choose(req(), pool).replica.name == "tp8"
+def test_kv_usage_scorer_prefers_free_cache():
+    s = KVUsageScorer()
+    assert s(req(), view("a", kv_usage=0.2)) > s(req(), view("b", kv_usage=0.9))
 
 
-def test_external_load_counts():
-    a, b = replica("a", inflight=1), replica("b", inflight=1)
-    a.external_load = 5
-    assert build_policy("least-loaded").choose(req(), [a, b]).replica.name == "b"
+def cost(v, cached=0, prompt=1024, **cfg):
+    return PredictedTTFTScorer(CacheAwareConfig(**cfg)).cost(req(prompt=prompt, cached={v.name: cached}), v)
+
+
+def test_kv_usage_costs_nothing_until_the_cache_is_nearly_full():
+    base = cost(view("a", prefill_tokens_per_s=1000))
+    assert cost(view("a", prefill_tokens_per_s=1000, kv_usage=0.85)) == base
+    assert cost(view("a", prefill_tokens_per_s=1000, kv_usage=0.95)) == pytest.approx(base + 0.25)
+    assert cost(view("a", prefill_tokens_per_s=1000, kv_usage=1.0)) == pytest.approx(base + 0.5)
+
+
+def test_cached_prefix_lowers_the_cost_by_its_prefill_time():
+    v = view("a", prefill_tokens_per_s=1000)
+    assert cost(v, cached=0) - cost(v, cached=768) == pytest.approx(0.768)
+
+
+def test_eviction_cost_counts_only_what_does_not_fit():
+    v = view("a", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100)
+    r = req(prompt=1000, occupancy={"a": 0.5})  # 800 tokens free: 200 of the 1000 evict
+    with_evict = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0)).cost(r, v)
+    without = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0, evict_weight=0)).cost(r, v)
+    assert with_evict - without == pytest.approx(0.2)
+
+
+def test_queued_prefill_delays_only_what_does_not_fit_in_one_scheduler_step():
+    idle = cost(view("a", prefill_tokens_per_s=1000))
+    # 1000 pending tokens fit beside 1024 new ones in one 2048-token step
+    assert cost(view("a", prefill_tokens_per_s=1000, pending=1000)) == pytest.approx(idle)
+    # 3000 pending: 1976 tokens over the step wait for the next steps
+    assert cost(view("a", prefill_tokens_per_s=1000, pending=3000)) - idle == pytest.approx(1.976)
+
+
+# -- pickers ---------------------------------------------------------------------------------
 
 
 def test_ties_are_broken_at_random_not_by_list_order():
-    pool = [replica(n) for n in "abc"]
-    picker = MaxScorePicker(random.Random(7))
-    counts = collections.Counter(picker(req(), [(r, 1.0) for r in pool])[0].name for _ in range(300))
+    views = [view(n) for n in "abc"]
+    picker = MaxScorePicker(rng=random.Random(7))
+    counts = collections.Counter(picker(req(), [(v, 1.0) for v in views])[0].name for _ in range(300))
     assert set(counts) == {"a", "b", "c"} and min(counts.values()) > 60
 
 
 def test_round_robin_takes_turns_in_name_order():
-    pool = [replica(n) for n in "cab"]
+    views = [view(n) for n in "cab"]
     picker = RoundRobinPicker()
-    assert [picker(req(), [(r, 0.0) for r in pool])[0].name for _ in range(6)] == list("abcabc")
+    assert [picker(req(), [(v, 0.0) for v in views])[0].name for _ in range(6)] == list("abcabc")
 
 
-def test_platform_defaults():
-    assert replica("g", platform="gaudi2").block_size == 128
-    assert replica("p", platform="aurora-pvc").block_size == 16
-    assert replica("c", platform="cuda").block_size == 16
+def test_round_robin_turns_among_the_best_scored_only():
+    views = [view(n) for n in "abc"]
+    picker = RoundRobinPicker()
+    assert {picker(req(), [(views[0], 0.0), (views[1], 1.0), (views[2], 1.0)])[0].name for _ in range(4)} == {"b", "c"}
 
 
-def cache_aware_cost(replica_obj, cached=0, prompt=1024):
-    from router.config import CacheAwareConfig
-    from router.policy import PredictedTTFTScorer
-    r = req()
-    r.prompt_tokens, r.cached = prompt, {replica_obj.name: cached}
-    return PredictedTTFTScorer(CacheAwareConfig()).cost(r, replica_obj)
+# -- policies --------------------------------------------------------------------------------
 
 
-def test_kv_usage_costs_nothing_until_the_cache_is_nearly_full():
-    from router.replica_metrics import ReplicaStats
-    r = replica("a", prefill_tokens_per_s=1000)
-    base = cache_aware_cost(r)
-    r.stats = ReplicaStats(kv_usage=0.85)
-    assert cache_aware_cost(r) == base
-    r.stats = ReplicaStats(kv_usage=0.95)
-    assert cache_aware_cost(r) == pytest.approx(base + 0.25)
-    r.stats = ReplicaStats(kv_usage=1.0)
-    assert cache_aware_cost(r) == pytest.approx(base + 0.5)
+def test_least_loaded_picks_the_lowest_relative_load():
+    views = [view("a", inflight=5), view("b", inflight=2), view("c", inflight=9)]
+    assert build_policy("least-loaded").choose(req(), views)[0].name == "b"
 
 
-def test_cached_prefix_lowers_the_cost_by_its_prefill_time():
-    r = replica("a", prefill_tokens_per_s=1000)
-    assert cache_aware_cost(r, cached=0) - cache_aware_cost(r, cached=768) == pytest.approx(0.768)
+def test_least_loaded_weighs_the_tensor_parallel_group():
+    """A TP-8 replica with 4x the requests of a TP-1 one is still the less loaded."""
+    views = [view("tp1", inflight=2, tensor_parallel_size=1), view("tp8", inflight=8, tensor_parallel_size=8)]
+    assert build_policy("least-loaded").choose(req(), views)[0].name == "tp8"
 
 
-def choose_cache_aware(pool, prompt_tokens, cached, occupancy):
-    from router.policy import build_policy
-    r = req()
-    r.prompt_tokens, r.cached, r.occupancy = prompt_tokens, cached, occupancy
-    return build_policy("cache-aware").choose(r, pool).replica.name
+def test_external_load_counts():
+    assert build_policy("least-loaded").choose(req(), [view("a", inflight=1, external=5),
+                                                       view("b", inflight=1)])[0].name == "b"
+
+
+def test_least_loaded_keeps_a_session_on_its_replica_until_it_is_full():
+    views = [view("a", inflight=9, max_num_seqs=10), view("b", inflight=0, max_num_seqs=10)]
+    policy = build_policy("least-loaded")
+    assert policy.choose(req(session="a"), views)[0].name == "a"
+    full = [view("a", inflight=10, max_num_seqs=10), view("b", inflight=0, max_num_seqs=10)]
+    assert policy.choose(req(session="a"), full)[0].name == "b"
+
+
+def test_round_robin_keeps_a_session_on_its_replica():
+    policy = build_policy("round-robin")
+    views = [view(n) for n in "abc"]
+    assert {policy.choose(req(session="c"), views)[0].name for _ in range(6)} == {"c"}
+
+
+def choose_cache_aware(views, prompt_tokens, cached, occupancy):
+    return build_policy("cache-aware").choose(req(prompt=prompt_tokens, cached=cached, occupancy=occupancy),
+                                              views)[0].name
 
 
 def full_and_empty():
     # 100 blocks of 16 tokens each: 1600 tokens of KV cache
-    return [replica(n, prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100) for n in ("full", "empty")]
+    return [view(n, prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100) for n in ("full", "empty")]
 
 
 def test_a_small_shared_prefix_does_not_pull_a_new_prompt_onto_a_full_replica():
@@ -142,21 +190,54 @@ def test_a_cached_prefix_wins_while_its_replica_has_room():
     assert choose_cache_aware(full_and_empty(), 1024, {"full": 256, "empty": 0}, {"full": 0.2, "empty": 0.0}) == "full"
 
 
-def test_eviction_cost_counts_only_what_does_not_fit():
-    from router.config import CacheAwareConfig
-    from router.policy import PredictedTTFTScorer
-    r = replica("a", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100)
-    rq = req()
-    rq.prompt_tokens, rq.occupancy = 1000, {"a": 0.5}  # 800 tokens free: 200 of the 1000 evict
-    with_evict = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0)).cost(rq, r)
-    without = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0, evict_weight=0)).cost(rq, r)
-    assert with_evict - without == pytest.approx(0.2)
+# -- policies from configuration -------------------------------------------------------------
 
 
-def test_queued_prefill_delays_only_what_does_not_fit_in_one_scheduler_step():
-    r = replica("a", prefill_tokens_per_s=1000, max_num_batched_tokens=2048)
-    idle = cache_aware_cost(r, prompt=1024)
-    r.pending_prefill = 1000  # fits beside 1024 new tokens in one 2048-token step
-    assert cache_aware_cost(r, prompt=1024) == pytest.approx(idle)
-    r.pending_prefill = 3000  # 1976 tokens over the step wait for the next steps
-    assert cache_aware_cost(r, prompt=1024) - idle == pytest.approx(1.976)
+def test_a_pipeline_from_configuration_weighs_its_scorers():
+    views = [view("busy", inflight=8, kv_usage=0.1), view("full", inflight=0, kv_usage=0.95)]
+    by_load = build_policy(PolicyConfig.model_validate({"scorers": [{"name": "load"}]}))
+    by_kv = build_policy(PolicyConfig.model_validate({"scorers": [{"name": "load", "weight": 0.1},
+                                                                  {"name": "kv-usage", "weight": 1.0}]}))
+    assert (by_load.choose(req(), views)[0].name, by_kv.choose(req(), views)[0].name) == ("full", "busy")
+
+
+def test_scorer_parameters_come_from_the_entry_over_the_cache_aware_section():
+    policy = build_policy(PolicyConfig.model_validate({"scorers": [{"name": "predicted-ttft", "load_weight_s": 5}]}),
+                          CacheAwareConfig(load_weight_s=1, kv_weight_s=0.25))
+    scorer = policy.scorers[0][0]
+    assert (scorer.cfg.load_weight_s, scorer.cfg.kv_weight_s, policy.uses_prefix) == (5, 0.25, True)
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"scorers": [{"name": "nope"}]}, "policy.scorers.0.name: unknown scorer 'nope'"),
+    ({"scorers": [{"name": "load"}, {"name": "predicted-ttft", "kv_threshold": 2}]}, "policy.scorers.1.kv_threshold"),
+    ({"scorers": [{"name": "load", "speed": 1}]}, "policy.scorers.0: scorer 'load' takes no parameters"),
+    ({"filters": ["ready", "fast"]}, "policy.filters.1.name: unknown filter 'fast'"),
+    ({"picker": "best"}, "policy.picker.name: unknown picker 'best'"),
+    ({"scorers": [{"name": "no_such_module:Scorer"}]}, "policy.scorers.0.name: cannot load scorer"),
+    ({"scorers": [{"name": "collections:OrderedDict"}]}, "is not a scorer"),
+])
+def test_configuration_errors_name_the_field(spec, field):
+    with pytest.raises(ConfigError) as e:
+        build_policy(PolicyConfig.model_validate(spec))
+    assert field in str(e.value)
+
+
+def test_a_plug_in_scorer_by_module_and_class(tmp_path, monkeypatch):
+    (tmp_path / "my_scorers.py").write_text(
+        "from router.policy import Scorer\n"
+        "class Last(Scorer):\n"
+        "    def __call__(self, req, view):\n"
+        "        return 1.0 if view.name == 'c' else 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    policy = build_policy(PolicyConfig.model_validate({"scorers": [{"name": "my_scorers:Last"}]}))
+    assert {policy.choose(req(), [view(n) for n in "abc"])[0].name for _ in range(10)} == {"c"}
+
+
+def test_platform_defaults():
+    from router.pool import Replica
+
+    def block_size(platform):
+        return Replica(ReplicaConfig(name="r", url="http://r:1", platform=platform), None, Metrics()).block_size
+
+    assert (block_size("gaudi2"), block_size("aurora-pvc"), block_size("cuda")) == (128, 16, 16)

@@ -5,62 +5,69 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
+from . import Match, Probe, Receipt
+
 
 class MemoryIndex:
     name = "memory"
 
     def __init__(self) -> None:
-        self._lru: dict[tuple[str, str], OrderedDict[int, None]] = {}
+        # block hash -> stamp of the record that touched it last, least recently used first
+        self._lru: dict[tuple[str, str], OrderedDict[int, int]] = {}
+        self._stamp = 0
 
-    async def lookup(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
-        return self.lookup_now(model, chain, replicas)
-
-    def lookup_now(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
+    async def probe(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> Probe:
         out = {}
+        lru = self._lru
         for r in replicas:
-            blocks = self._lru.get((model, r))
+            blocks = lru.get((model, r))
             n = 0
             if blocks:
                 for h in chain:  # stops at the first miss: work grows with the match, not the prompt
                     if h not in blocks:
                         break
                     n += 1
-            out[r] = n
-        return out
+                out[r] = Match(n, len(blocks))
+            else:
+                out[r] = Match(0, 0)
+        return Probe(out)
 
-    async def probe(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> dict[str, tuple[int, int]]:
-        return self.probe_now(model, chain, replicas)
-
-    def probe_now(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> dict[str, tuple[int, int]]:
-        found = self.lookup_now(model, chain, replicas)
-        return {r: (found[r], self.size_now(model, r)) for r in replicas}
-
-    async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> None:
-        self.record_now(model, replica, chain, capacity)
-
-    def record_now(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> None:
+    async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> Receipt | None:
+        if not chain:
+            return None
         blocks = self._lru.get((model, replica))
         if blocks is None:
             blocks = self._lru[(model, replica)] = OrderedDict()
+        kept = 0
+        for h in chain:
+            if h not in blocks:
+                break
+            kept += 1
+        self._stamp += 1
+        stamp = self._stamp
         for h in reversed(chain):  # the root ends up most recently used
-            if h in blocks:
-                blocks.move_to_end(h)
-            else:
-                blocks[h] = None
+            blocks[h] = stamp
+            blocks.move_to_end(h)
         while len(blocks) > capacity:
             blocks.popitem(last=False)
+        return Receipt(model, replica, chain, kept, stamp)
+
+    async def withdraw(self, receipt: Receipt) -> None:
+        blocks = self._lru.get((receipt.model, receipt.replica))
+        if not blocks:
+            return
+        for h in receipt.chain[receipt.kept:]:
+            if blocks.get(h) == receipt.stamp:
+                del blocks[h]
 
     async def forget(self, replica: str, models: Sequence[str]) -> None:
         for key in [k for k in self._lru if k[1] == replica]:
             del self._lru[key]
 
     async def size(self, model: str, replica: str) -> int:
-        return self.size_now(model, replica)
-
-    def size_now(self, model: str, replica: str) -> int:
         return len(self._lru.get((model, replica), ()))
 
-    async def warm(self) -> None:
+    async def start(self) -> None:
         pass
 
     async def close(self) -> None:

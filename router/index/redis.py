@@ -8,8 +8,9 @@ prefix, so every recorded chain that holds block j+1 holds block j too; recordin
 earlier blocks as more recently used; and trimming removes the least recently used first. A
 lookup therefore gallops and bisects along the chain, O(log m) probes per replica for an m-block
 match, all candidate replicas in one round trip (a Lua script). A record is one round trip too:
-it stamps the chain's blocks, root newest, and trims the set to the replica's capacity. The
-chain travels as one argument of 8 bytes per block.
+it stamps the chain's blocks, root newest, and trims the set to the replica's capacity; a
+withdrawal removes the blocks a record added that still carry its stamps. The chain travels as
+one argument of 8 bytes per block.
 """
 
 from __future__ import annotations
@@ -17,38 +18,49 @@ from __future__ import annotations
 import struct
 from typing import Sequence
 
+from . import Match, Probe, Receipt
+
 import redis.asyncio as aioredis
 
-_LOOKUP = """
--- The blocks the index holds of any chain form a prefix of it (see the module docstring), so the
--- match length is found by galloping, then bisecting: O(log m) probes for an m-block match.
--- Returns, per key, the match length and the number of blocks held (ZCARD, O(1)).
-local chain = ARGV[1]
-local blocks = #chain / 8
-local function has(key, j)
-  return redis.call('ZSCORE', key, string.sub(chain, 8 * j - 7, 8 * j)) ~= false
-end
-local out = {}
-for i, key in ipairs(KEYS) do
+# Length of the longest prefix of the chain (ARGV chain, 8 bytes per block) held in `key`. The blocks
+# the index holds of any chain form a prefix of it (see the module docstring), so it is found by
+# galloping, then bisecting: O(log m) probes for an m-block match.
+_MATCHED = """
+local function matched(key, chain)
+  local blocks = #chain / 8
+  local function has(j)
+    return redis.call('ZSCORE', key, string.sub(chain, 8 * j - 7, 8 * j)) ~= false
+  end
   local lo, hi = 0, nil  -- block lo is held (0: none checked), block hi is not
   local probe = 1
   while probe <= blocks do
-    if has(key, probe) then lo = probe; probe = probe * 2 else hi = probe; break end
+    if has(probe) then lo = probe; probe = probe * 2 else hi = probe; break end
   end
   if hi == nil then hi = blocks + 1 end
   while hi - lo > 1 do
     local mid = math.floor((lo + hi) / 2)
-    if has(key, mid) then lo = mid else hi = mid end
+    if has(mid) then lo = mid else hi = mid end
   end
-  out[2 * i - 1] = lo
+  return lo
+end
+"""
+
+# Per key: the match length and the number of blocks held (ZCARD, O(1)).
+_LOOKUP = _MATCHED + """
+local out = {}
+for i, key in ipairs(KEYS) do
+  out[2 * i - 1] = matched(key, ARGV[1])
   out[2 * i] = redis.call('ZCARD', key)
 end
 return out
 """
 
-_RECORD = """
+# Stamps the chain's blocks (root newest) from the model's clock, trims to the capacity, and
+# returns the blocks held before and the stamp of the root, for a withdrawal.
+_RECORD = _MATCHED + """
 local chain = ARGV[2]
 local n = #chain / 8
+local kept = matched(KEYS[1], chain)
 local top = redis.call('INCRBY', KEYS[2], n)
 local batch = {}
 for j = 1, n do
@@ -62,7 +74,22 @@ end
 if #batch > 0 then redis.call('ZADD', KEYS[1], unpack(batch)) end
 local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1])
 if over > 0 then redis.call('ZPOPMIN', KEYS[1], over) end
-return over
+return {kept, top}
+"""
+
+# Removes the blocks a record added (past the `kept` it returned) that still carry its stamps.
+_WITHDRAW = """
+local kept, top, chain = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local removed = 0
+for j = kept + 1, #chain / 8 do
+  local member = string.sub(chain, 8 * j - 7, 8 * j)
+  local score = redis.call('ZSCORE', KEYS[1], member)
+  if score and tonumber(score) == top - (j - 1) then
+    redis.call('ZREM', KEYS[1], member)
+    removed = removed + 1
+  end
+end
+return removed
 """
 
 
@@ -84,6 +111,7 @@ class RedisIndex:
             health_check_interval=0, max_connections=64)
         self._lookup = self.client.register_script(_LOOKUP)
         self._record = self.client.register_script(_RECORD)
+        self._withdraw = self.client.register_script(_WITHDRAW)
 
     def key(self, model: str, replica: str) -> str:
         return f"{self.ns}:{{{_tag(model)}}}:r:{replica}"
@@ -96,21 +124,24 @@ class RedisIndex:
         """The chain as one argument: 8 big-endian bytes per block (far cheaper than one argument each)."""
         return struct.pack(f">{len(chain)}Q", *chain)
 
-    async def lookup(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
-        return {r: m for r, (m, _) in (await self.probe(model, chain, replicas)).items()}
-
-    async def probe(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> dict[str, tuple[int, int]]:
+    async def probe(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> Probe:
         if not replicas:
-            return {}
+            return Probe({})
         # an empty chain still asks for the sizes: the script then matches nothing
         out = await self._lookup(keys=[self.key(model, r) for r in replicas], args=[self._packed(chain)])
-        return {r: (int(out[2 * i]), int(out[2 * i + 1])) for i, r in enumerate(replicas)}
+        return Probe({r: Match(int(out[2 * i]), int(out[2 * i + 1])) for i, r in enumerate(replicas)})
 
-    async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> None:
+    async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> Receipt | None:
         if not chain:
-            return
-        await self._record(keys=[self.key(model, replica), self._clock(model)],
-                           args=[max(1, capacity), self._packed(chain)])
+            return None
+        kept, top = await self._record(keys=[self.key(model, replica), self._clock(model)],
+                                       args=[max(1, capacity), self._packed(chain)])
+        return Receipt(model, replica, chain, int(kept), int(top))
+
+    async def withdraw(self, receipt: Receipt) -> None:
+        if receipt.kept < len(receipt.chain):
+            await self._withdraw(keys=[self.key(receipt.model, receipt.replica)],
+                                 args=[receipt.kept, receipt.stamp, self._packed(receipt.chain)])
 
     async def forget(self, replica: str, models: Sequence[str]) -> None:
         if models:
@@ -119,11 +150,11 @@ class RedisIndex:
     async def size(self, model: str, replica: str) -> int:
         return int(await self.client.zcard(self.key(model, replica)))
 
-    async def warm(self) -> None:
-        """Connect and load the scripts, so that the first lookups pay no set-up."""
+    async def start(self) -> None:
+        """Connect and load the scripts, so that the first lookups pay no set-up (raises if Redis is down)."""
         await self.client.ping()
-        await self.client.script_load(_LOOKUP)
-        await self.client.script_load(_RECORD)
+        for script in (_LOOKUP, _RECORD, _WITHDRAW):
+            await self.client.script_load(script)
 
     async def close(self) -> None:
         await self.client.aclose()

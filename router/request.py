@@ -1,0 +1,39 @@
+"""What routing knows of one client request. A leaf module: it imports nothing else of the router."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .prefix import PromptKey
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """One request on its way through the routing stage.
+
+    The API fills the first fields from the HTTP request. The router fills the rest once, before
+    the first attempt: the prompt key, the predicted cached tokens and index occupancy per replica,
+    and the replica that served the session last. ``exclude`` grows with every failed attempt.
+    """
+
+    model: str | None
+    request_id: str
+    endpoint: str
+    session_id: str | None = None  # a fixed-size digest of the client's x-session-id, never the raw value
+    payload: dict[str, Any] | None = None  # the parsed body, until the router has keyed it
+    body_size: int = 0
+    exclude: set[str] = field(default_factory=set)
+    # filled by the router
+    prepared: bool = False
+    key: "PromptKey | None" = None
+    prompt_tokens: int = 0
+    cached: dict[str, int] = field(default_factory=dict)  # predicted cached tokens per replica name
+    occupancy: dict[str, float] = field(default_factory=dict)  # share of each replica's KV blocks indexed
+    index_fallback: bool = False  # the shared index could not answer: the local one did
+    session_replica: str | None = None
+
+    def uncached(self, replica: str) -> int:
+        """Prompt tokens ``replica`` would have to prefill (as the prefix index predicts)."""
+        return max(0, self.prompt_tokens - self.cached.get(replica, 0))

@@ -1,0 +1,268 @@
+"""The router decides; it does not send.
+
+:meth:`Router.route` takes a request and returns a :class:`Ticket` naming the replica, with the
+predicted cached tokens and the reason for the choice. Before the first attempt it keys the
+prompt, looks it up in the prefix index and finds the session's last replica; then the policy
+chooses among immutable replica views and admission takes a slot (or queues). The proxy sends the
+request and tells the ticket how it went:
+
+- ``first_byte(status)``: the replica answered; its pending prefill is done, and a 2xx answer
+  makes the request's session remember the replica;
+- ``failed(kind)``: the attempt failed before the answer (see :data:`router.failures.KINDS`): the
+  slot goes back, the index record made for it is withdrawn, the replica is not tried again for
+  this request, and a connection refused takes it out of rotation;
+- ``finish(status)``: the answer ended: the slot goes back and the decision is counted.
+
+The ticket owns everything routing needs to hear about a request; nothing else changes the load
+table, the index or the sessions on a request's behalf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from . import errors
+from .admission import Admission
+from .background import Background
+from .errors import GatewayError
+from .events import Event, EventBus, ReplicaRemoved, ReplicaRestarted
+from .failures import KINDS
+from .index import PrefixIndex, Receipt
+from .keys import PromptKeys
+from .load import LoadTable
+from .metrics import Metrics
+from .policy import NoCandidate, Policy
+from .pool import Replica, ReplicaPool
+from .request import RouteRequest
+from .sessions import Sessions
+from .view import ReplicaView
+
+log = logging.getLogger("kvroute.routing")
+
+_SIZES_INTERVAL_S = 5.0
+
+
+def cached_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> int:
+    """Tokens a replica would serve from cache: whole blocks, and never the prompt's last token (as vLLM)."""
+    return min(matched_blocks * block_size, (prompt_tokens - 1) // block_size * block_size) if prompt_tokens else 0
+
+
+class Ticket:
+    """One attempt's routing: where it goes, and what routing must hear back about it."""
+
+    __slots__ = ("_router", "req", "replica", "name", "cached_tokens", "reason", "_pending", "_receipts", "_open")
+
+    def __init__(self, router: "Router", req: RouteRequest, replica: Replica, cached: int, reason: str | None,
+                 pending: int, receipts: list[Receipt]) -> None:
+        self._router = router
+        self.req = req
+        self.replica = replica  # for sending (its upstream connections); routing state lives elsewhere
+        self.name = replica.name
+        self.cached_tokens = cached
+        self.reason = reason  # cache, load or fallback; None when the prompt was not keyed
+        self._pending = pending
+        self._receipts = receipts
+        self._open = True
+
+    def first_byte(self, status: int) -> None:
+        """The replica sent its first byte: the prompt's prefill is no longer pending there."""
+        self._prefilled()
+        if self.req.session_id is not None and 200 <= status < 300:
+            # now, not at the end: the session's next turn may come through another router mid-stream
+            self._router.sessions.remember(self.req.session_id, self.name)
+
+    def failed(self, kind: str) -> None:
+        """The attempt failed before an answer reached the client."""
+        if self._open:
+            self._open = False
+            self._prefilled()
+            self._router._failed(self, kind)
+
+    def finish(self, status: int) -> None:
+        """The answer ended (completed, broken mid-stream, or the client left)."""
+        if self._open:
+            self._open = False
+            self._prefilled()
+            self._router._finished(self, status)
+
+    def _prefilled(self) -> None:
+        if self._pending:
+            self._router.load.add_pending(self.name, -self._pending)
+            self._pending = 0
+
+
+class Router:
+    def __init__(self, pool: ReplicaPool, load: LoadTable, policy: Policy, admission: Admission,
+                 sessions: Sessions, metrics: Metrics, events: EventBus,
+                 index: PrefixIndex | None = None, keys: PromptKeys | None = None) -> None:
+        self.pool = pool
+        self.load = load
+        self.policy = policy
+        self.admission = admission
+        self.sessions = sessions
+        self.metrics = metrics
+        self.index = index
+        self.keys = keys
+        self._m_lookup = metrics.index_lookup
+        self._background = Background()
+        self._sizes_task: asyncio.Task[None] | None = None
+        events.subscribe(self._on_event)
+
+    # -- deciding --------------------------------------------------------------------------
+
+    async def route(self, req: RouteRequest) -> Ticket:
+        """Choose a replica for ``req`` and take a slot there (waiting in the queue if all are full).
+
+        Raises :class:`~router.errors.GatewayError`: 404 (no replica serves the model), 503 (none
+        ready or all drained or all tried), 429 (queue full or waited too long).
+        """
+        if not req.prepared:
+            await self._prepare(req)
+        try:
+            view, _ = await self.admission.admit(req)
+        except NoCandidate as e:
+            raise self._unroutable(req, e) from None
+        replica = self.pool.get(view.name)
+        assert replica is not None
+        name = view.name
+        receipts: list[Receipt] = []
+        reason: str | None = None
+        cached = pending = 0
+        key = req.key
+        if key is not None and self.index is not None and req.model is not None:
+            cached = req.cached.get(name, 0)
+            pending = req.uncached(name)
+            if req.index_fallback:
+                reason = "fallback"
+            elif cached > 0 and cached >= max(req.cached.values()):
+                reason = "cache"
+            else:
+                reason = "load"
+            try:
+                for chain in key.chains(view.block_size):
+                    receipt = await self.index.record(req.model, name, chain, view.kv_blocks)
+                    if receipt is not None:
+                        receipts.append(receipt)
+            except Exception:  # the index is advice: a request never fails because of it
+                log.exception("prefix index record failed", extra={"request_id": req.request_id})
+            if pending:
+                self.load.add_pending(name, pending)
+        return Ticket(self, req, replica, cached, reason, pending, receipts)
+
+    async def _prepare(self, req: RouteRequest) -> None:
+        """Once per request: session, prompt key, and the predicted cached tokens per replica."""
+        req.prepared = True
+        if req.session_id is not None:
+            req.session_replica = await self.sessions.get(req.session_id)
+        if self.keys is not None and req.payload is not None and req.model is not None:
+            req.key = await self.keys.key(req.endpoint, req.payload, req.model, req.body_size)
+        req.payload = None
+        if req.key is not None and self.index is not None:
+            await self._lookup(req)
+
+    async def _lookup(self, req: RouteRequest) -> None:
+        """Fill ``req.cached`` and ``req.occupancy`` for every replica that could serve the request."""
+        key = req.key
+        index = self.index
+        model = req.model
+        assert key is not None and index is not None and model is not None
+        tokens = key.prompt_tokens()
+        req.prompt_tokens = sum(tokens)
+        by_block: dict[int, list[ReplicaView]] = {}
+        for r in self.pool:
+            v = r.view
+            if v.ready and model in v.models:
+                by_block.setdefault(v.block_size, []).append(v)
+        started = time.perf_counter()
+        for block, group in by_block.items():
+            names = [v.name for v in group]
+            matched = dict.fromkeys(names, 0)
+            held = dict.fromkeys(names, 0)
+            # one lookup per prompt; a batch of prompts is keyed prompt by prompt
+            for chain, n_tokens in zip(key.chains(block), tokens):
+                probe = await index.probe(model, chain, names)
+                if probe.degraded:
+                    req.index_fallback = True
+                for name, (blocks, size) in probe.matches.items():
+                    matched[name] += cached_tokens(blocks, block, n_tokens)
+                    held[name] = size
+            req.cached.update(matched)
+            for v in group:
+                req.occupancy[v.name] = min(1.0, held[v.name] / v.kv_blocks)
+        self._m_lookup.observe(time.perf_counter() - started)
+
+    def _unroutable(self, req: RouteRequest, e: NoCandidate) -> GatewayError:
+        if e.why == "unknown_model":
+            if not any(req.model in r.config.models for r in self.pool):
+                return errors.model_not_found(req.model or "")
+        return errors.no_ready_replica(req.model)
+
+    # -- what tickets report ---------------------------------------------------------------
+
+    def _failed(self, ticket: Ticket, kind: str) -> None:
+        req = ticket.req
+        req.exclude.add(ticket.name)
+        if ticket._receipts and self.index is not None:
+            for receipt in ticket._receipts:
+                self._background.spawn(self._withdraw(receipt))
+        failure = KINDS.get(kind)
+        if failure is not None and failure.health == "eject":
+            self.pool.mark_failure(ticket.replica, f"{failure.message} (proxy)", immediate=True)
+        self.admission.release(ticket.name)
+
+    async def _withdraw(self, receipt: Receipt) -> None:
+        assert self.index is not None
+        try:
+            await self.index.withdraw(receipt)
+        except Exception:
+            log.exception("prefix index withdrawal failed")
+
+    def _finished(self, ticket: Ticket, status: int) -> None:
+        req = ticket.req
+        self.admission.release(ticket.name)
+        if ticket.reason is not None:
+            model = req.model or ""
+            self.metrics.prompt_tokens.labels(model).inc(req.prompt_tokens)
+            self.metrics.cached_tokens.labels(model).inc(ticket.cached_tokens)
+            self.metrics.decisions.labels(ticket.reason).inc()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def _on_event(self, event: Event) -> None:
+        if self.index is not None and isinstance(event, (ReplicaRestarted, ReplicaRemoved)):
+            replica = self.pool.get(event.replica)
+            models = sorted(replica.models) if replica is not None else []
+            self._background.spawn(self._forget(event.replica, models))
+
+    async def _forget(self, replica: str, models: list[str]) -> None:
+        assert self.index is not None
+        await self.index.forget(replica, models)
+        log.info("prefix index: forgot everything replica %s held", replica, extra={"replica": replica})
+
+    async def start(self) -> None:
+        if self.index is not None:
+            await self.index.start()
+            self._sizes_task = asyncio.get_running_loop().create_task(self._sizes_loop())
+
+    async def _sizes_loop(self) -> None:
+        assert self.index is not None
+        while True:
+            await asyncio.sleep(_SIZES_INTERVAL_S)
+            try:
+                for r in self.pool:
+                    total = 0
+                    for model in r.models:
+                        total += await self.index.size(model, r.name)
+                    self.metrics.index_blocks.labels(r.name).set(total)
+            except Exception:
+                log.exception("index size refresh failed")
+
+    async def close(self) -> None:
+        if self._sizes_task is not None:
+            self._sizes_task.cancel()
+        await self._background.close()
+        if self.index is not None:
+            await self.index.close()
+        await self.sessions.close()

@@ -1,0 +1,42 @@
+"""An immutable view of one replica for one routing decision.
+
+Filters and scorers read only this: plain values, taken from the pool (health, configuration,
+the last ``/metrics`` scrape) and from the load table (in-flight requests and pending prefill on
+this host) at the moment of the decision. Nothing a scorer does can change a replica, and a
+scorer is tested with a view built from literals.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class ReplicaView(NamedTuple):
+    name: str
+    ready: bool = True
+    models: frozenset[str] = frozenset()
+    max_num_seqs: int = 256
+    capacity: float = 256.0  # load normaliser: max_num_seqs x relative speed of the parallel group
+    block_size: int = 16
+    kv_blocks: int = 16384
+    prefill_rate: float = 8000.0  # prompt tokens per second
+    max_num_batched_tokens: int = 2048
+    kv_usage: float = 0.0  # at the last scrape
+    external_load: float = 0.0  # other clients' requests at the last scrape
+    # from the load table, at the decision (these three stay last: see with_load)
+    drained: bool = False  # an operator stopped new requests to it
+    inflight: int = 0
+    pending_prefill: int = 0
+
+    @property
+    def load(self) -> float:
+        """This host's in-flight requests plus what other clients had there at the last scrape."""
+        return self.inflight + self.external_load
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or model in self.models
+
+
+def with_load(base: ReplicaView, drained: bool, inflight: int, pending_prefill: int) -> ReplicaView:
+    """``base`` with the load table's figures (cheaper than ``_replace`` on the hot path)."""
+    return tuple.__new__(ReplicaView, base[:-3] + (drained, inflight, pending_prefill))

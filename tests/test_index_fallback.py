@@ -1,0 +1,65 @@
+"""The Redis index behind a circuit breaker: Redis while it answers, this router's own index when not."""
+
+import asyncio
+
+from loadtest.cluster import free_port, redis_server, wait_redis
+from router.config import IndexConfig
+from router.index.fallback import FallbackIndex
+from router.index.memory import MemoryIndex
+from router.index.redis import RedisIndex
+from router.metrics import Metrics
+
+
+def fallback(url, **cfg):
+    cfg = IndexConfig(backend=url, timeout_s=0.2, retry_after_s=0.2, **cfg)
+    return FallbackIndex(RedisIndex(url, namespace="fb", timeout_s=cfg.timeout_s), MemoryIndex(), cfg, Metrics())
+
+
+async def settle(index, until, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await until():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def test_records_reach_redis_and_withdrawals_take_them_back(tmp_path):
+    proc = redis_server(log_dir=tmp_path).start()
+    try:
+        wait_redis(proc)
+
+        async def go():
+            index = fallback(f"redis://127.0.0.1:{proc.port}/0")
+            other = RedisIndex(f"redis://127.0.0.1:{proc.port}/0", namespace="fb")  # another router's view
+            try:
+                await index.start()
+                receipt = await index.record("m", "a", [1, 2, 3], 100)
+                await settle(index, lambda: _held(other, [1, 2, 3], 3))
+                await index.withdraw(receipt)
+                await settle(index, lambda: _held(other, [1, 2, 3], 0))
+                probe = await index.probe("m", [1, 2, 3], ["a"])
+                return probe.degraded, probe.matches["a"].blocks
+            finally:
+                await index.close()
+                await other.close()
+
+        assert asyncio.run(go()) == (False, 0)
+    finally:
+        proc.stop()
+
+
+async def _held(index, chain, blocks):
+    return (await index.probe("m", chain, ["a"])).matches["a"].blocks == blocks
+
+
+def test_without_redis_lookups_are_answered_by_the_local_index():
+    async def go():
+        index = fallback(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+        try:
+            await index.start()
+            await index.record("m", "a", [1, 2, 3], 100)
+            probe = await index.probe("m", [1, 2, 3], ["a", "b"])
+            return probe.degraded, {r: m.blocks for r, m in probe.matches.items()}, index.metrics.index_fallback._value.get()
+        finally:
+            await index.close()
+
+    assert asyncio.run(go()) == (True, {"a": 3, "b": 0}, 1)
