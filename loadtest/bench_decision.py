@@ -21,11 +21,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from router.config import IndexConfig, PrefixConfig, ProxyConfig, HealthConfig, ReplicaConfig, CacheAwareConfig
-from router.matching import Matcher
+from router.admission import Admission
+from router.config import HealthConfig, IndexConfig, PrefixConfig, ProxyConfig, QueueConfig, ReplicaConfig
+from router.index.fallback import FallbackIndex
+from router.index.memory import MemoryIndex
+from router.index.redis import RedisIndex
+from router.keys import PromptKeys
+from router.load import LoadTable
 from router.metrics import Metrics
-from router.policy import RouteRequest, build_policy
+from router.policy import build_policy
 from router.pool import ReplicaPool
+from router.request import RouteRequest
+from router.routing import Router
+from router.sessions import LocalSessions
 
 from .cluster import redis_server, wait_redis
 from .workloads import text
@@ -39,31 +47,42 @@ def pct(v: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-def make_pool(n: int) -> ReplicaPool:
+def make_router(n: int, backend: str) -> tuple[Router, ReplicaPool, RedisIndex | MemoryIndex]:
+    """The routing components of a gateway with ``n`` ready replicas (no health checks run)."""
     cfgs = [ReplicaConfig(name=f"r{i}", url=f"http://127.0.0.1:{9 + i}", models=["m"], block_size=BLOCK,
                           num_gpu_blocks=10_000_000) for i in range(n)]
-    pool = ReplicaPool(cfgs, HealthConfig(), ProxyConfig(), Metrics())
+    metrics = Metrics()
+    load = LoadTable([c.name for c in cfgs], metrics)
+    pool = ReplicaPool(cfgs, HealthConfig(), ProxyConfig(), metrics, load)
     for r in pool:
-        r.state = "ready"
-    return pool
+        pool.mark_success(r)
+    policy = build_policy("cache-aware")
+    admission = Admission(policy, load, pool.views, pool.view_of, QueueConfig(), metrics, pool.events)
+    cfg = IndexConfig(backend=backend, timeout_s=1.0)
+    raw = MemoryIndex() if backend == "memory" else RedisIndex(backend, timeout_s=1.0)
+    index = raw if backend == "memory" else FallbackIndex(raw, MemoryIndex(), cfg, metrics)
+    router = Router(pool, load, policy, admission, LocalSessions(), metrics, pool.events, index=index,
+                    keys=PromptKeys(PrefixConfig()))
+    return router, pool, raw
 
 
 async def bench(backend: str, entries: int, decisions: int, seed: int) -> dict[str, dict[str, float]]:
-    pool = make_pool(3)
-    metrics = Metrics()
-    matcher = Matcher(pool, IndexConfig(backend=backend, timeout_s=1.0), PrefixConfig(), metrics)
-    policy = build_policy("cache-aware", CacheAwareConfig())
+    router, pool, index = make_router(3, backend)
+    policy = router.policy
+    keys = router.keys
+    assert keys is not None
     replicas = list(pool)
     rng = random.Random(seed)
-    index = matcher.shared or matcher.local
-    await index.warm()
+    await index.start()
     # fill: 32k-token prompts (2048 blocks each), spread over the replicas
     prefixes = []
     filled = 0
     while filled < entries:
         prompt = text(rng, SIZES[-1] * 4)
         prefixes.append(prompt)
-        chain = (await matcher.key("/v1/completions", {"prompt": prompt}, "m")).chains(BLOCK)[0]
+        key = await keys.key("/v1/completions", {"prompt": prompt}, "m")
+        assert key is not None
+        chain = key.chains(BLOCK)[0]
         await index.record("m", replicas[len(prefixes) % 3].name, chain, 10_000_000)
         filled += len(chain)
     out: dict[str, dict[str, float]] = {}
@@ -77,18 +96,18 @@ async def bench(backend: str, entries: int, decisions: int, seed: int) -> dict[s
                 prompt = text(rng, size * 4)
             payload = {"model": "m", "prompt": prompt}
             t0 = time.perf_counter()
-            req = RouteRequest(model="m", request_id="b", endpoint="/v1/completions")
-            req.key = await matcher.key("/v1/completions", payload, "m")
-            await matcher.annotate(req, replicas)
-            policy.choose(req, replicas)
+            req = RouteRequest(model="m", request_id="b", endpoint="/v1/completions", payload=payload,
+                               body_size=len(prompt))
+            await router.prepare(req)
+            policy.choose(req, pool.views())
             times.append(time.perf_counter() - t0)
         out[str(size)] = {"p50_ms": pct(times, 50) * 1e3, "p99_ms": pct(times, 99) * 1e3,
                           "mean_ms": statistics.mean(times) * 1e3}
     out["entries"] = {"count": float(filled)}
-    if matcher.shared is not None:
-        info = await matcher.shared.client.info("memory")  # type: ignore[attr-defined]
+    if isinstance(index, RedisIndex):
+        info = await index.client.info("memory")
         out["entries"]["redis_used_memory"] = float(info["used_memory"])
-    await matcher.close()
+    await router.close()
     return out
 
 

@@ -75,7 +75,7 @@ async def run_load(port: int, body: bytes, n: int, concurrency: int,
     return ttfb, total
 
 
-def _pin(proc_argv: list[str], cpu: int | None) -> list[str]:
+def _pin(proc_argv: list[str], cpu: int | str | None) -> list[str]:
     return ["taskset", "-c", str(cpu), *proc_argv] if cpu is not None else proc_argv
 
 
@@ -156,13 +156,15 @@ def instant(args: argparse.Namespace) -> int:
         wait_redis(redis)
         direct = asyncio.run(_throughput(port, body, args.instant_requests, args.concurrency))
         rows.append(("direct (the instant replica alone)", "-", direct, None))
-        for workers in (1, 2):
+        for workers in args.workers:
             for policy in ("least-loaded", "cache-aware"):
-                extra = ["--policy", policy, "--workers", str(workers), "--set", "queue.max_size=4096"]
+                extra = ["--policy", policy, "--set", "queue.max_size=4096"]
+                if workers > 1:
+                    extra += ["--workers", str(workers)]
                 if workers > 1 and policy == "cache-aware":
                     extra += ["--index", f"redis://127.0.0.1:{redis.port}/0"]
                 rt = router([replica.url], *extra, log_dir=logs)
-                rt.argv = _pin(rt.argv, 1 if pin and workers == 1 else None)
+                rt.argv = _pin(rt.argv, (1 if workers == 1 else "0,1") if pin else None)
                 try:
                     rt.start()
                     rt.wait_http("/ready", timeout=20)
@@ -173,7 +175,7 @@ def instant(args: argparse.Namespace) -> int:
                 finally:
                     rt.stop()
                 rows.append((policy, str(workers), res, cpu / args.instant_requests * 1000))
-        stream = _paced_streams(args, logs)
+        stream = _paced_streams(args, logs, pin)
     finally:
         replica.stop()
         redis.stop()
@@ -206,10 +208,11 @@ async def _throughput(port: int, body: bytes, n: int, concurrency: int) -> dict[
     return {"rps": n / elapsed, "p50": pct(total, 50), "p99": pct(total, 99)}
 
 
-def _paced_streams(args: argparse.Namespace, logs: Path) -> dict[str, float]:
+def _paced_streams(args: argparse.Namespace, logs: Path, pin: bool) -> dict[str, float]:
     """Events per second that paced streams deliver, straight from a replica and through the router."""
     sim = simulator(None, "tiny", "--ttft-ms", "5", "--itl-ms", "5", "--max-num-seqs", "1024", log_dir=logs)
     rt = router([sim.url], log_dir=logs)
+    rt.argv = _pin(rt.argv, 1 if pin else None)
     events = 16
     body = json.dumps({"model": "tiny", "prompt": "hello " * 50, "max_tokens": events, "stream": True}).encode()
     out: dict[str, float] = {"concurrency": args.concurrency, "events": events + 1}
@@ -243,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--instant", action="store_true",
                    help="measure requests/s and CPU per request against an instant replica instead (see above)")
     p.add_argument("--instant-requests", type=int, default=20000, help="requests per row of --instant")
+    p.add_argument("--workers", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2],
+                   help="worker counts for --instant, comma-separated (default 1,2)")
     args = p.parse_args(argv)
     if args.instant:
         return instant(args)

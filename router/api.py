@@ -9,13 +9,14 @@ digest, the parsed body) and hand the raw bytes to the :class:`~router.proxy.For
 from __future__ import annotations
 
 import gc
-import json
+import itertools
 import logging
+import secrets
 import time
-import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -87,13 +88,18 @@ class Gateway:
         return next(iter(models)) if len(models) == 1 else None
 
 
+# New request ids: a random prefix per process and a counter (unique like uuid4, without a syscall each)
+_ID_PREFIX = secrets.token_hex(8)
+_ids = itertools.count()
+
+
 def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
     for k, v in headers:
         if k == b"x-request-id":
             if 0 < len(v) <= 128 and v.isascii() and v.decode().isprintable():
                 return v.decode()
             break
-    return uuid.uuid4().hex
+    return f"{_ID_PREFIX}{next(_ids):016x}"
 
 
 class ProxyEndpoint:
@@ -162,7 +168,7 @@ class ProxyEndpoint:
 
     def _parse(self, body: bytes) -> dict[str, Any]:
         try:
-            payload = json.loads(body)
+            payload = orjson.loads(body)  # 3x faster than json on prompts; stops at 1024 levels of nesting
         except (ValueError, UnicodeDecodeError) as e:
             raise errors.bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
         if not isinstance(payload, dict):
@@ -260,7 +266,10 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
 
     def _admin(request: Request) -> None:
         client = request.scope.get("client")
-        gw.auth.check_admin(request.scope["headers"], client[0] if client else None)
+        host = client[0] if client else None
+        if any(k in (b"x-forwarded-for", b"forwarded") for k, _ in request.scope["headers"]):
+            host = None  # relayed by a proxy on this host: the real client is elsewhere, never loopback
+        gw.auth.check_admin(request.scope["headers"], host)
 
     def _replica(name: str):
         r = gw.pool.get(name)

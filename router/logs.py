@@ -1,4 +1,10 @@
-"""Logging set-up: plain or JSON lines, written by a background thread so the event loop never blocks on I/O."""
+"""Logging set-up: plain or JSON lines, written by a background thread so the event loop never blocks on I/O.
+
+The event loop's share of a log line is kept small, since the gateway logs every request: no
+caller lookup (file and line are not logged), and records go onto a queue as they are; the writer
+thread formats them and writes whatever has piled up in one write. Record arguments are
+immutable values (strings, numbers), so formatting them later is safe.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +14,41 @@ import logging
 import logging.handlers
 import queue
 import sys
+import threading
 import time
+from typing import TextIO
 
 # attributes the gateway passes with ``extra=`` that belong in every line that has them
 _FIELDS = ("request_id", "replica", "model", "status", "outcome", "attempts", "ttfb_ms", "upstream_ttfb_ms", "duration_ms",
            "stream", "prompt_tokens", "cached_tokens", "decision")
+_BATCH = 512  # most lines written at once
+
+
+class _Clock:
+    """Timestamps formatted once per second, not once per line."""
+
+    def __init__(self, fmt: str, utc: bool = False) -> None:
+        self.fmt = fmt
+        self.utc = utc
+        self._second = -1
+        self._text = ""
+
+    def __call__(self, created: float) -> str:
+        second = int(created)
+        if second != self._second:
+            self._second = second
+            self._text = time.strftime(self.fmt, time.gmtime(second) if self.utc else time.localtime(second))
+        return self._text
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__()
+        self._clock = _Clock("%Y-%m-%dT%H:%M:%S", utc=True)
+
     def format(self, record: logging.LogRecord) -> str:
         out = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "ts": f"{self._clock(record.created)}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -34,38 +64,96 @@ class JsonFormatter(logging.Formatter):
 
 class PlainFormatter(logging.Formatter):
     def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        super().__init__()
+        self._clock = _Clock("%Y-%m-%d %H:%M:%S")
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        line = (f"{self._clock(record.created)},{int(record.msecs):03d} {record.levelname} {record.name}: "
+                f"{record.getMessage()}")
         rid = getattr(record, "request_id", None)
-        return f"{line} [request_id={rid}]" if rid else line
+        if rid:
+            line += f" [request_id={rid}]"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
 
 
-_listener: logging.handlers.QueueListener | None = None
+class _QueueHandler(logging.handlers.QueueHandler):
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        return record  # formatted by the writer thread
+
+
+class _Writer:
+    """The thread that formats queued records and writes them, many per write."""
+
+    def __init__(self, q: "queue.SimpleQueue[logging.LogRecord | None]", formatter: logging.Formatter,
+                 stream: TextIO) -> None:
+        self.queue = q
+        self.formatter = formatter
+        self.stream = stream
+        self.thread = threading.Thread(target=self._run, name="kvroute-log", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        q = self.queue
+        fmt = self.formatter.format
+        while True:
+            records = [q.get()]
+            while len(records) < _BATCH:
+                try:
+                    records.append(q.get_nowait())
+                except queue.Empty:
+                    break
+            lines = []
+            done = False
+            for r in records:
+                if r is None:
+                    done = True
+                    continue
+                try:
+                    lines.append(fmt(r))
+                except Exception:  # a record that cannot be formatted must not stop the log
+                    lines.append(f"(unformattable log record from {r.name})")
+            if lines:
+                try:
+                    self.stream.write("\n".join(lines) + "\n")
+                    self.stream.flush()
+                except (OSError, ValueError):
+                    pass
+            if done:
+                return
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        self.thread.join(5)
+
+
+_writer: _Writer | None = None
 
 
 def shutdown() -> None:
     """Write out what is queued and stop the writer thread (also run at exit)."""
-    global _listener
-    listener, _listener = _listener, None
-    if listener is not None and listener._thread is not None:  # type: ignore[attr-defined]
-        listener.stop()
+    global _writer
+    writer, _writer = _writer, None
+    if writer is not None and writer.thread.is_alive():
+        writer.stop()
 
 
 atexit.register(shutdown)
 
 
 def setup(level: str = "info", json_format: bool = False) -> None:
-    global _listener
+    global _writer
     shutdown()
-    sink = logging.StreamHandler(sys.stderr)
-    sink.setFormatter(JsonFormatter() if json_format else PlainFormatter())
-    q: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
-    _listener = logging.handlers.QueueListener(q, sink, respect_handler_level=False)
-    _listener.start()
+    # the formatters use none of these: skip finding the caller's file and line, thread and process
+    logging._srcfile = None  # type: ignore[attr-defined]
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+    q: "queue.SimpleQueue[logging.LogRecord | None]" = queue.SimpleQueue()
+    _writer = _Writer(q, JsonFormatter() if json_format else PlainFormatter(), sys.stderr)
     root = logging.getLogger()
-    root.handlers[:] = [logging.handlers.QueueHandler(q)]
+    root.handlers[:] = [_QueueHandler(q)]  # type: ignore[arg-type]
     root.setLevel(level.upper())
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).handlers[:] = []

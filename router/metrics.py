@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Buckets for time to first byte and end-to-end latency: from a cached-prefix hit (ms) to long
 # generations (minutes).
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_CHILDREN = 4096  # bound label children kept per gateway
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -24,6 +26,7 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self._multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "kvroute_requests", "Requests answered, by model, replica ('none' if the router answered) and HTTP status.",
             ["model", "replica", "status"], registry=r)
@@ -87,6 +90,20 @@ class Metrics:
         self.index_fallback = Gauge(
             "kvroute_index_fallback", "1 while routing falls back to the local index because Redis failed.",
             registry=r, multiprocess_mode="livemax")
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, bound once: label lookups cost more than the increment.
+
+        The cache is bounded (a client that sends many model names does not grow it past
+        ``_CHILDREN``); past that, lookups go to the metric each time.
+        """
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = metric.labels(*labels)
+            if len(self._children) < _CHILDREN:
+                self._children[key] = child
+        return child
 
     def render(self) -> bytes:
         if self._multiprocess_dir:

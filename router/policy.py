@@ -291,15 +291,25 @@ class Policy:
         self.scorers = tuple(scorers)
         self.picker = picker
         self.uses_prefix = any(s.uses_prefix for s, _ in self.scorers)
+        # filters that judge each replica alone can run in one pass; one that looks at the whole list cannot
+        self._keeps = tuple(f.keep for f in self.filters) if all(
+            type(f).__call__ is Filter.__call__ for f in self.filters) else None
 
     def candidates(self, req: RouteRequest, views: Sequence[ReplicaView]) -> list[ReplicaView]:
         """Run the filters; raise :class:`NoCandidate` naming the first one that left nobody."""
+        keeps = self._keeps
+        if keeps is not None:
+            # one pass over the replicas with every filter (the common case: someone is left)...
+            current = [v for v in views if all(keep(req, v) for keep in keeps)]
+            if current:
+                return current
+        # ...and filter by filter only to tell which one left nobody
         current = list(views)
         for f in self.filters:
             current = f(req, current)
             if not current:
                 raise NoCandidate(f.when_empty)
-        return current
+        return current  # a filter that keeps a replica alone but drops it among others
 
     def score(self, req: RouteRequest, view: ReplicaView) -> float:
         return sum(w * s(req, view) for s, w in self.scorers)

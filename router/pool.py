@@ -57,9 +57,11 @@ class Replica:
         self.successes = 0
         self.last_error: str | None = None
         self.restarts = 0
-        # (name, value) pairs: the proxy appends them to its header list, httpx takes them as they are
+        # (name, value) pairs for the health checks (httpx), the same as header lines for the proxy
         self.upstream_headers: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {config.api_key.get_secret_value()}"),) if config.api_key else ())
+        self.header_lines = b"".join(b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1"))
+                                     for k, v in self.upstream_headers)
         # metric children resolved once, not per request
         self.m_ttfb = metrics.ttfb.labels(self.name)
         self.m_latency = metrics.latency.labels(self.name)

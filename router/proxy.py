@@ -35,8 +35,8 @@ from .upstream import ReadTimeout, UpstreamError, UpstreamResponse
 log = logging.getLogger("kvroute.proxy")
 
 # Request headers a client may pass on to a replica (credentials never: they come from config).
-_FORWARD_REQUEST_HEADERS = frozenset({"content-type", "accept", "accept-encoding", "traceparent", "tracestate",
-                                      "x-session-id", "openai-organization", "openai-project"})
+_FORWARD_REQUEST_HEADERS = frozenset({b"content-type", b"accept", b"accept-encoding", b"traceparent", b"tracestate",
+                                      b"x-session-id", b"openai-organization", b"openai-project"})
 # Response headers that describe one hop only (the upstream parser gives names in lower case).
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
                          b"proxy-authenticate", b"proxy-connection", b"date", b"server", b"x-request-id"})
@@ -52,7 +52,7 @@ class Call:
     model: str | None
     stream: bool
     request_id: str
-    headers: list[tuple[str, str]]
+    headers: bytes  # the client's headers a replica may see, as HTTP/1.1 header lines
     started: float
     route: RouteRequest
     attempts: int = 0
@@ -76,17 +76,16 @@ class _Failure:
     body: bytes = b""
 
 
-def client_headers(scope_headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
-    """The client's headers a replica may see (never its credentials)."""
-    out = []
+def client_headers(scope_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The client's headers a replica may see (never its credentials), as header lines."""
+    out = b""
     has_encoding = False
     for k, v in scope_headers:
-        name = k.decode("latin-1")
-        if name in _FORWARD_REQUEST_HEADERS:
-            out.append((name, v.decode("latin-1")))
-            has_encoding = has_encoding or name == "accept-encoding"
+        if k in _FORWARD_REQUEST_HEADERS:
+            out += b"%s: %s\r\n" % (k, v)
+            has_encoding = has_encoding or k == b"accept-encoding"
     if not has_encoding:
-        out.append(("accept-encoding", "identity"))
+        out += b"accept-encoding: identity\r\n"
     return out
 
 
@@ -174,7 +173,7 @@ class Forwarder:
         """One try on one replica. Returns a failure that may be retried, or None once answered."""
         replica = ticket.replica
         assert replica.upstream is not None
-        headers = call.headers + [("x-request-id", call.request_id), *replica.upstream_headers]
+        headers = b"%sx-request-id: %s\r\n%s" % (call.headers, call.request_id.encode("latin-1"), replica.header_lines)
         wait = self.cfg.stream_idle_timeout_s if call.stream else self.cfg.request_timeout_s
         call.sent_at = time.perf_counter()
         try:
@@ -252,7 +251,7 @@ class Forwarder:
         ticket = call.ticket
         if ticket is not None and ticket.name == call.replica:
             ticket.replica.m_latency.observe(elapsed)
-        self.metrics.requests.labels(call.model or "", call.replica, str(call.status)).inc()
+        self.metrics.child(self.metrics.requests, call.model or "", call.replica, str(call.status)).inc()
         decision: dict[str, Any] = {}
         if ticket is not None and ticket.reason is not None:
             decision = {"prompt_tokens": call.route.prompt_tokens, "cached_tokens": ticket.cached_tokens,

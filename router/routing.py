@@ -119,7 +119,7 @@ class Router:
         ready or all drained or all tried), 429 (queue full or waited too long).
         """
         if not req.prepared:
-            await self._prepare(req)
+            await self.prepare(req)
         try:
             view, _ = await self.admission.admit(req)
         except NoCandidate as e:
@@ -151,7 +151,7 @@ class Router:
                 self.load.add_pending(name, pending)
         return Ticket(self, req, replica, cached, reason, pending, receipts)
 
-    async def _prepare(self, req: RouteRequest) -> None:
+    async def prepare(self, req: RouteRequest) -> None:
         """Once per request: session, prompt key, and the predicted cached tokens per replica."""
         req.prepared = True
         if req.session_id is not None:
@@ -223,10 +223,11 @@ class Router:
         req = ticket.req
         self.admission.release(ticket.name)
         if ticket.reason is not None:
+            m = self.metrics
             model = req.model or ""
-            self.metrics.prompt_tokens.labels(model).inc(req.prompt_tokens)
-            self.metrics.cached_tokens.labels(model).inc(ticket.cached_tokens)
-            self.metrics.decisions.labels(ticket.reason).inc()
+            m.child(m.prompt_tokens, model).inc(req.prompt_tokens)
+            m.child(m.cached_tokens, model).inc(ticket.cached_tokens)
+            m.child(m.decisions, ticket.reason).inc()
 
     # -- lifecycle -------------------------------------------------------------------------
 

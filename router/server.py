@@ -36,6 +36,7 @@ def run_server(config: RouterConfig, share: Any = None, worker: int = 0, sockets
     server = Server(uvicorn.Config(
         app, host=config.host, port=config.port, loop="auto", http="httptools",
         lifespan="on", log_config=None, access_log=False, server_header=False,
+        proxy_headers=False,  # only /admin looks at the client's address, and it treats relayed requests itself
         timeout_graceful_shutdown=config.shutdown_grace_s, timeout_keep_alive=75, backlog=4096,
     ))
     server.run(sockets=sockets)

@@ -17,7 +17,6 @@ import socket
 import ssl
 import time
 from collections import deque
-from typing import Sequence
 from urllib.parse import urlsplit
 
 import httptools
@@ -316,15 +315,14 @@ class UpstreamPool:
         conn.parser = httptools.HttpResponseParser(conn)
         self._idle.append(conn)
 
-    async def request(self, method: bytes, path: str, headers: Sequence[tuple[str, str]], body: bytes,
+    async def request(self, method: bytes, path: str, headers: bytes, body: bytes,
                       timeout: float) -> UpstreamResponse:
-        """Send a request and wait (at most ``timeout``) for the status line and headers."""
-        head = bytearray(b"%s %s%s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n" % (
-            method, self.prefix, path.encode(), self.host_header, len(body)))
-        for k, v in headers:
-            head += b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1"))
-        head += b"\r\n"
-        payload = bytes(head) + body
+        """Send a request and wait (at most ``timeout``) for the status line and headers.
+
+        ``headers`` are header lines (``name: value\\r\\n`` each); host and content-length are added.
+        """
+        payload = b"%s %s%s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s\r\n%s" % (
+            method, self.prefix, path.encode(), self.host_header, len(body), headers, body)
         while True:
             conn = self._take_idle() or await self._connect()
             resp = UpstreamResponse(conn, self)

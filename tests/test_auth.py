@@ -71,3 +71,12 @@ def test_keys_never_reach_the_logs(secured):
     assert "/v1/completions" in log
     for secret in ("client-1", "wrong-key-xyz", "admin-key", "upstream-secret"):
         assert secret not in log
+
+
+def test_admin_without_a_key_refuses_requests_relayed_by_a_local_proxy(cluster):
+    """A reverse proxy on the same host connects from loopback; the client behind it is not local."""
+    sim = cluster.sim("--ttft-ms", "1", "--itl-ms", "1")
+    rt = cluster.router([sim])
+    assert httpx.get(rt.url + "/admin/replicas").status_code == 200
+    for header in ({"x-forwarded-for": "203.0.113.7"}, {"forwarded": "for=203.0.113.7"}):
+        assert httpx.get(rt.url + "/admin/replicas", headers=header).status_code == 403
