@@ -26,6 +26,7 @@ from router.config import HealthConfig, IndexConfig, PrefixConfig, ProxyConfig, 
 from router.index.fallback import FallbackIndex
 from router.index.memory import MemoryIndex
 from router.index.redis import RedisIndex
+from router.index.resp import Redis
 from router.keys import PromptKeys
 from router.load import LoadTable
 from router.metrics import Metrics
@@ -45,6 +46,18 @@ SIZES = (1024, 8192, 32768)
 def pct(v: list[float], q: float) -> float:
     s = sorted(v)
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+async def used_memory(client: Redis | str) -> float:
+    """Redis's ``used_memory`` in bytes."""
+    own = isinstance(client, str)
+    r = Redis(client) if isinstance(client, str) else client
+    try:
+        info = (await r.execute("INFO", "memory")).decode()
+    finally:
+        if own:
+            await r.close()
+    return float(next(line for line in info.splitlines() if line.startswith("used_memory:")).split(":")[1])
 
 
 def make_router(n: int, backend: str) -> tuple[Router, ReplicaPool, RedisIndex | MemoryIndex]:
@@ -105,8 +118,7 @@ async def bench(backend: str, entries: int, decisions: int, seed: int) -> dict[s
                           "mean_ms": statistics.mean(times) * 1e3}
     out["entries"] = {"count": float(filled)}
     if isinstance(index, RedisIndex):
-        info = await index.client.info("memory")
-        out["entries"]["redis_used_memory"] = float(info["used_memory"])
+        out["entries"]["redis_used_memory"] = await used_memory(index.client)
     await router.close()
     return out
 
@@ -123,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     redis = redis_server(log_dir=Path(tempfile.mkdtemp(prefix="kvroute-bench-"))).start()
     try:
         wait_redis(redis)
-        import redis as redis_sync
-        baseline = redis_sync.Redis(port=redis.port).info("memory")["used_memory"]
+        baseline = asyncio.run(used_memory(f"redis://127.0.0.1:{redis.port}/0"))
         result = asyncio.run(bench(f"redis://127.0.0.1:{redis.port}/0", args.entries, args.decisions, args.seed))
         used = result["entries"]["redis_used_memory"] - baseline
         result["entries"]["bytes_per_entry"] = used / result["entries"]["count"]

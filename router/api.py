@@ -75,7 +75,8 @@ class Gateway:
         self.admission = Admission(self.policy, self.load, self.pool.views, self.pool.view_of, config.queue,
                                    self.metrics, self.events)
         self.router = Router(self.pool, self.load, self.policy, self.admission,
-                             build_sessions(config.index, config.sessions, self.metrics), self.metrics, self.events,
+                             build_sessions(config.index, config.sessions, self.metrics, share,
+                                            [r.name for r in config.replicas]), self.metrics, self.events,
                              index=index, keys=keys)
         self.forwarder = Forwarder(self.router, self.pool, config.proxy, self.metrics)
         self.auth = Auth(config.auth)

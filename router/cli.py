@@ -77,11 +77,6 @@ def serve(config: RouterConfig) -> int:
     if config.workers > 1:
         from . import workers
 
-        try:
-            workers.check(config)
-        except ConfigError as e:
-            sys.stderr.write(f"kvroute: {e}\n")
-            return 2
         return workers.run(config)
     from .server import run_server
 
@@ -95,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         config = load(args)
+        from .workers import check
+
+        check(config)  # the policy's stages and parameters, and what several workers need
     except ConfigError as e:
         sys.stderr.write(f"kvroute: {e}\n")
         return 2

@@ -25,16 +25,23 @@ from .metrics import Metrics
 _INFLIGHT, _PENDING, _PEAK = 0, 1, 2
 _FIELDS = 3
 _LOCK_WAIT_S = 0.002
+SESSION_SLOT_BYTES = 24  # 16-byte session digest, 4-byte replica number (+1; 0 = empty), 4 spare
 
 
 class HostShare:
-    """Memory and a lock shared by the worker processes of one host; made before they fork."""
+    """Memory and a lock shared by the worker processes of one host; made before they fork.
 
-    def __init__(self, workers: int, replicas: int) -> None:
+    ``buffer`` holds the load table; ``sessions`` (``session_slots`` entries) the session table
+    that :class:`router.sessions.SharedSessions` keeps there when no Redis is configured.
+    """
+
+    def __init__(self, workers: int, replicas: int, session_slots: int = 0) -> None:
         self.workers = workers
         self.replicas = max(1, replicas)
         # MAP_SHARED | MAP_ANONYMOUS: the forked workers see the same pages
         self.buffer = mmap.mmap(-1, (workers * _FIELDS + 1) * self.replicas * 8)
+        self.session_slots = session_slots
+        self.sessions = mmap.mmap(-1, max(1, session_slots) * SESSION_SLOT_BYTES)
         self.lock = multiprocessing.get_context("fork").Lock()
 
 

@@ -2,10 +2,12 @@
 
 The API hands in a fixed-size digest of the header, never the raw value, so a session costs the
 same whatever the client sends. With the memory index, sessions live in this process (the last
-``sessions.max_local`` of them); with a Redis index, in Redis too (``{namespace}:s:{digest}``,
-expiring after ``sessions.ttl_s``), so the turns of one session stick to one replica across
-router instances and workers. A Redis call that fails or is slow falls back to the local map and
-never fails a request.
+``sessions.max_local`` of them), or, with several workers, in a table in the memory the workers
+share (``sessions.max_local`` slots, a session per slot by its digest: a newer session that lands
+on a taken slot replaces the older one); with a Redis index, in Redis too
+(``{namespace}:s:{digest}``, expiring after ``sessions.ttl_s``), so the turns of one session stick
+to one replica across router instances and workers. A Redis call that fails or is slow falls back
+to the local map and never fails a request.
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ import xxhash
 
 from .background import Background
 from .config import IndexConfig, SessionConfig
+from .index.resp import Redis
+from .load import SESSION_SLOT_BYTES, HostShare
 from .metrics import Metrics
 
 log = logging.getLogger("kvroute.sessions")
+
+_LOCK_WAIT_S = 0.002
 
 
 def session_digest(raw: bytes) -> str:
@@ -60,24 +66,64 @@ class LocalSessions:
         self._map.clear()
 
 
+class SharedSessions:
+    """Sessions in the memory the workers of one host share (no Redis configured)."""
+
+    def __init__(self, share: HostShare, replicas: list[str]) -> None:
+        self._buf = share.sessions
+        self._slots = share.session_slots
+        self._lock = share.lock
+        self._names = list(replicas)
+        self._number = {name: i + 1 for i, name in enumerate(self._names)}
+
+    def _slot(self, digest: bytes) -> int:
+        return int.from_bytes(digest[:8], "little") % self._slots * SESSION_SLOT_BYTES
+
+    async def get(self, session: str) -> str | None:
+        digest = bytes.fromhex(session)
+        at = self._slot(digest)
+        if not self._lock.acquire(True, _LOCK_WAIT_S):
+            return None  # another worker holds the lock (descheduled): route without the session this once
+        try:
+            if self._buf[at:at + 16] != digest:
+                return None
+            number = int.from_bytes(self._buf[at + 16:at + 20], "little")
+        finally:
+            self._lock.release()
+        return self._names[number - 1] if 0 < number <= len(self._names) else None
+
+    def remember(self, session: str, replica: str) -> None:
+        number = self._number.get(replica)
+        if number is None:
+            return
+        digest = bytes.fromhex(session)
+        at = self._slot(digest)
+        if not self._lock.acquire(True, _LOCK_WAIT_S):
+            return
+        try:
+            self._buf[at:at + 20] = digest + number.to_bytes(4, "little")
+        finally:
+            self._lock.release()
+
+    async def close(self) -> None:
+        pass
+
+
 class RedisSessions:
     def __init__(self, index: IndexConfig, cfg: SessionConfig, metrics: Metrics) -> None:
-        import redis.asyncio as aioredis
-
         self.local = LocalSessions(cfg.max_local)
         self.prefix = f"{index.namespace}:s:"
         self.ttl_ms = max(1, int(cfg.ttl_s * 1000))
         self.timeout_s = index.timeout_s
         self.metrics = metrics
-        self.client = aioredis.Redis.from_url(
-            index.backend, socket_timeout=max(1.0, index.timeout_s), socket_connect_timeout=max(1.0, index.timeout_s),
-            retry_on_timeout=False, health_check_interval=0, max_connections=16)
+        self.client = Redis(index.backend, connect_timeout=max(1.0, index.timeout_s))
+        self._store_timeout_s = max(1.0, index.timeout_s)
         self._background = Background()
 
     async def get(self, session: str) -> str | None:
         try:
             async with asyncio.timeout(self.timeout_s):
-                value = await self.client.get(self.prefix + session)
+                value = await self.client.execute("GET", self.prefix + session)
             return value.decode() if value is not None else None
         except Exception as e:  # slow or down: this router's own memory answers
             self.metrics.index_errors.labels("session").inc()
@@ -90,18 +136,22 @@ class RedisSessions:
 
     async def _store(self, session: str, replica: str) -> None:
         try:
-            await self.client.set(self.prefix + session, replica, px=self.ttl_ms)
+            async with asyncio.timeout(self._store_timeout_s):
+                await self.client.execute("SET", self.prefix + session, replica, "PX", self.ttl_ms)
         except Exception as e:
             self.metrics.index_errors.labels("session").inc()
             log.debug("session store in Redis failed (%s)", e.__class__.__name__)
 
     async def close(self) -> None:
         await self._background.close()
-        await self.client.aclose()
+        await self.client.close()
         await self.local.close()
 
 
-def build_sessions(index: IndexConfig, cfg: SessionConfig, metrics: Metrics) -> Sessions:
-    if index.backend == "memory":
-        return LocalSessions(cfg.max_local)
-    return RedisSessions(index, cfg, metrics)
+def build_sessions(index: IndexConfig, cfg: SessionConfig, metrics: Metrics, share: HostShare | None = None,
+                   replicas: list[str] | None = None) -> Sessions:
+    if index.backend != "memory":
+        return RedisSessions(index, cfg, metrics)
+    if share is not None and share.workers > 1 and share.session_slots:
+        return SharedSessions(share, replicas or [])
+    return LocalSessions(cfg.max_local)

@@ -31,7 +31,9 @@ _RESTART_BACKOFF_S = 1.0
 
 
 def check(config: RouterConfig) -> None:
-    """Refuse a set-up that several workers cannot serve well (raises ConfigError naming the fix)."""
+    """Refuse a configuration that cannot be served: a policy stage that does not exist or takes other
+    parameters, or several workers with a cache-aware policy and no shared index (raises ConfigError
+    naming the field and the fix)."""
     from .policy import build_policy
 
     policy = build_policy(config.policy, config.cache_aware)
@@ -78,7 +80,8 @@ def run(config: RouterConfig) -> int:
         log.error("cannot listen on %s:%d: %s", config.host, config.port, e.strerror or e)
         shutil.rmtree(metrics_dir, ignore_errors=True)
         return 1
-    share = HostShare(config.workers, len(config.replicas))
+    share = HostShare(config.workers, len(config.replicas),
+                      session_slots=config.sessions.max_local if config.index.backend == "memory" else 0)
     ctx = multiprocessing.get_context("fork")
     procs: list[Any] = [None] * config.workers
     stopping = {"signal": 0}

@@ -105,3 +105,15 @@ def test_index_default_blocks_sizes_replicas_whose_cache_is_not_known_yet():
     cfg = RouterConfig(replicas=[{"url": "http://127.0.0.1:9"}, {"url": "http://127.0.0.1:10", "num_gpu_blocks": 77}],
                        index={"default_blocks": 1234})
     assert [r.kv_blocks for r in Gateway(cfg).pool] == [1234, 77]
+
+
+def test_check_config_validates_the_policy_pipeline(tmp_path):
+    import subprocess
+    import sys
+
+    from loadtest.cluster import ROOT
+    path = tmp_path / "kvroute.yaml"
+    path.write_text("replicas: [{url: 'http://127.0.0.1:9'}]\npolicy: {scorers: [{name: load}, {name: fastest}]}\n")
+    out = subprocess.run([sys.executable, "-m", "router", "check-config", "--config", str(path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "policy.scorers.1.name: unknown scorer 'fastest'" in out.stderr

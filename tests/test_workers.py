@@ -61,3 +61,20 @@ def test_several_workers_with_a_cache_aware_policy_need_a_shared_index():
                           "--replica", "http://127.0.0.1:9"], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2
     assert "workers" in out.stderr and "--index redis://" in out.stderr
+
+
+def test_sessions_stick_across_workers_without_redis(cluster):
+    sims = [cluster.sim("--ttft-ms", "1", "--itl-ms", "1") for _ in range(3)]
+    rt = cluster.router(sims, "--workers", "2", "--policy", "least-loaded")
+    placed = {}
+    for session in range(4):
+        seen = set()
+        for turn in range(8):
+            with httpx.Client(timeout=10) as client:  # a new connection each turn: either worker may take it
+                r = client.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": f"turn {turn}",
+                                                                  "max_tokens": 1},
+                                headers={"x-session-id": f"conversation-{session}"})
+            assert r.status_code == 200
+            seen.add(r.headers["x-kvroute-replica"])
+        placed[session] = seen
+    assert all(len(seen) == 1 for seen in placed.values()), placed

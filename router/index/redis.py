@@ -19,8 +19,8 @@ import struct
 from typing import Sequence
 
 from . import Match, Probe, Receipt
+from .resp import Redis
 
-import redis.asyncio as aioredis
 
 # Length of the longest prefix of the chain (ARGV chain, 8 bytes per block) held in `key`. The blocks
 # the index holds of any chain form a prefix of it (see the module docstring), so it is found by
@@ -103,15 +103,12 @@ class RedisIndex:
     def __init__(self, url: str, namespace: str = "kvroute", timeout_s: float = 0.05) -> None:
         self.url = url
         self.ns = namespace
-        # Lookups are bounded by the caller (index.timeout_s, on the request's path); the socket timeout
-        # only bounds background work (records, forgets), which may wait a little longer on a busy host.
-        io_timeout = max(1.0, timeout_s)
-        self.client = aioredis.Redis.from_url(
-            url, socket_timeout=io_timeout, socket_connect_timeout=io_timeout, retry_on_timeout=False,
-            health_check_interval=0, max_connections=64)
-        self._lookup = self.client.register_script(_LOOKUP)
-        self._record = self.client.register_script(_RECORD)
-        self._withdraw = self.client.register_script(_WITHDRAW)
+        # Lookups are bounded by the caller (index.timeout_s, on the request's path); connecting may
+        # take a little longer on a busy host.
+        self.client = Redis(url, connect_timeout=max(1.0, timeout_s))
+        self._lookup = self.client.script(_LOOKUP)
+        self._record = self.client.script(_RECORD)
+        self._withdraw = self.client.script(_WITHDRAW)
 
     def key(self, model: str, replica: str) -> str:
         return f"{self.ns}:{{{_tag(model)}}}:r:{replica}"
@@ -128,33 +125,32 @@ class RedisIndex:
         if not replicas:
             return Probe({})
         # an empty chain still asks for the sizes: the script then matches nothing
-        out = await self._lookup(keys=[self.key(model, r) for r in replicas], args=[self._packed(chain)])
-        return Probe({r: Match(int(out[2 * i]), int(out[2 * i + 1])) for i, r in enumerate(replicas)})
+        out = await self.client.evalsha(self._lookup, [self.key(model, r) for r in replicas], [self._packed(chain)])
+        return Probe({r: Match(out[2 * i], out[2 * i + 1]) for i, r in enumerate(replicas)})
 
     async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> Receipt | None:
         if not chain:
             return None
-        kept, top = await self._record(keys=[self.key(model, replica), self._clock(model)],
-                                       args=[max(1, capacity), self._packed(chain)])
-        return Receipt(model, replica, chain, int(kept), int(top))
+        kept, top = await self.client.evalsha(self._record, [self.key(model, replica), self._clock(model)],
+                                              [max(1, capacity), self._packed(chain)])
+        return Receipt(model, replica, chain, kept, top)
 
     async def withdraw(self, receipt: Receipt) -> None:
         if receipt.kept < len(receipt.chain):
-            await self._withdraw(keys=[self.key(receipt.model, receipt.replica)],
-                                 args=[receipt.kept, receipt.stamp, self._packed(receipt.chain)])
+            await self.client.evalsha(self._withdraw, [self.key(receipt.model, receipt.replica)],
+                                      [receipt.kept, receipt.stamp, self._packed(receipt.chain)])
 
     async def forget(self, replica: str, models: Sequence[str]) -> None:
         if models:
-            await self.client.delete(*(self.key(m, replica) for m in models))
+            await self.client.execute("DEL", *(self.key(m, replica) for m in models))
 
     async def size(self, model: str, replica: str) -> int:
-        return int(await self.client.zcard(self.key(model, replica)))
+        return int(await self.client.execute("ZCARD", self.key(model, replica)))
 
     async def start(self) -> None:
         """Connect and load the scripts, so that the first lookups pay no set-up (raises if Redis is down)."""
-        await self.client.ping()
-        for script in (_LOOKUP, _RECORD, _WITHDRAW):
-            await self.client.script_load(script)
+        await self.client.execute("PING")
+        await self.client.load_scripts()
 
     async def close(self) -> None:
-        await self.client.aclose()
+        await self.client.close()
