@@ -13,8 +13,10 @@ token counts) through kvroute under each policy:
   random order each, one after the other.
 
 Policies: round-robin, least-loaded, cache-aware with the in-process index, cache-aware with the
-Redis index shared by two router processes (clients alternate between them), all with the
-tokenizer configured, and cache-aware in byte mode (no tokenizer) to measure its gap. Between runs
+Redis index shared by two router processes (clients alternate between them), all with no prompt-key
+configuration (the router finds the model's tokenizer in the folder the replicas report), and
+cache-aware in byte mode (``prefix.tokenizer: none``, bytes per token learned from the replicas'
+answers) to measure its gap. Between runs
 every replica's prefix cache is reset (``/reset_prefix_cache``) and the routers are new.
 
 The hit rate is delta(``vllm:prefix_cache_hits_total``) / delta(``vllm:prefix_cache_queries_total``)
@@ -298,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             "a 128-token user message and resends the previous 128-token assistant reply; round t (turn t of every "
             "conversation) comes in a new random order once round t-1 is done."),
     }
-    tokenizer = ["--set", f"prefix.tokenizer={model}"]
+    tokenizer: list[str] = []  # the default (prefix.tokenizer: auto) finds the model's folder the replicas report
     knobs = [a for kv in args.set for a in ("--set", kv)]
     started: list[Proc] = [] if args.use else vllm_cluster.start([
         vllm_cluster.replica(home, num_gpu_blocks=args.num_gpu_blocks, log_dir=log_dir, name=f"vllm-{i}",
@@ -320,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("cache-aware, Redis index, 2 routers",
                  ["--policy", "cache-aware", "--index", f"redis://127.0.0.1:{redis.port}/0",
                   "--set", f"index.namespace=bench-{wl}", *tokenizer], 2),
-                ("cache-aware, byte mode (no tokenizer)", ["--policy", "cache-aware"], 1),
+                ("cache-aware, byte mode (no tokenizer)", ["--policy", "cache-aware", "--set", "prefix.tokenizer=none"],
+                 1),
             ]
             results = []
             for name, pargs, n in policies:

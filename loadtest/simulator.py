@@ -114,8 +114,9 @@ class VLLMSimulator:
     def __init__(self, model: str, ttft_ms: float = 20.0, itl_ms: float = 5.0, prefill_us_per_token: float = 0.0,
                  max_num_seqs: int = 256, block_size: int = 128, num_gpu_blocks: int = 16384,
                  max_model_len: int = 4096, bytes_per_token: int = 4, api_key: str | None = None,
-                 faults: Faults | None = None, seed: int | None = None) -> None:
+                 faults: Faults | None = None, seed: int | None = None, root: str | None = None) -> None:
         self.model = model
+        self.root = root or f"/models/{model}"  # what /v1/models reports the model was loaded from
         self.ttft = ttft_ms / 1e3
         self.itl = itl_ms / 1e3
         self.prefill_per_token = prefill_us_per_token / 1e6
@@ -404,7 +405,7 @@ class VLLMSimulator:
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": self.model, "object": "model", "created": self.created, "owned_by": "vllm",
-            "root": f"/models/{self.model}", "parent": None, "max_model_len": self.max_model_len,
+            "root": self.root, "parent": None, "max_model_len": self.max_model_len,
             "permission": [{"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission",
                             "created": self.created, "allow_create_engine": False, "allow_sampling": True,
                             "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
@@ -511,6 +512,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9001)
     p.add_argument("--model", default="tiny", help="served model name")
+    p.add_argument("--root", help="the model's root reported in /v1/models (default /models/MODEL)")
     p.add_argument("--ttft-ms", type=float, default=20.0, help="time to first token, fixed part")
     p.add_argument("--prefill-us-per-token", type=float, default=0.0, help="time to first token, per prompt token")
     p.add_argument("--itl-ms", type=float, default=5.0, help="time between output tokens")
@@ -535,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                         prefill_us_per_token=args.prefill_us_per_token, max_num_seqs=args.max_num_seqs,
                         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                         max_model_len=args.max_model_len, bytes_per_token=args.bytes_per_token,
-                        api_key=args.api_key, faults=faults, seed=args.seed)
+                        api_key=args.api_key, faults=faults, seed=args.seed, root=args.root)
     import uvicorn
     uvicorn.run(app, host=args.host, port=args.port, loop="auto", http="httptools", log_level="warning",
                 access_log=False, server_header=False, date_header=True, timeout_graceful_shutdown=1)

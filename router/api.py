@@ -68,7 +68,7 @@ class Gateway:
         index: PrefixIndex | None = None
         keys: PromptKeys | None = None
         if self.policy.uses_prefix:
-            keys = PromptKeys(config.prefix)
+            keys = PromptKeys(config.prefix, self.events)
             index = MemoryIndex() if config.index.backend == "memory" else FallbackIndex(
                 build_index(config.index.backend, config.index.namespace, config.index.timeout_s), MemoryIndex(),
                 config.index, self.metrics)
@@ -284,6 +284,7 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
         return JSONResponse({
             "policy": gw.policy.name,
             "index": gw.router.index.name if gw.router.index is not None else None,
+            "prompt_keys": gw.router.keys.describe() if gw.router.keys is not None else None,
             "queue_length": gw.admission.queue_length,
             "replicas": [gw.pool.describe(r) for r in gw.pool],
         })

@@ -150,9 +150,12 @@ class IndexConfig(_Model):
 
 
 class PrefixConfig(_Model):
-    bytes_per_token: int = Field(4, ge=1, le=16, description="without a tokenizer, a token counts as this many bytes")
-    tokenizer: str | None = Field(None, description="tokenizer.json or model folder used for every model "
-                                  "(needs the tokenizer extra); unset = byte mode")
+    bytes_per_token: float = Field(4, ge=1, le=16, description="in byte mode, the bytes a token counts as until the "
+                                   "replicas' answers (usage.prompt_tokens) have taught the model's real figure")
+    tokenizer: str | None = Field("auto", description="auto: each model's tokenizer and chat template from this "
+                                  "host only (the root folder /v1/models reports, else the Hugging Face cache), "
+                                  "byte mode for a model with none; a tokenizer.json or model folder for every "
+                                  "model; none: byte mode")
     tokenizers: dict[str, str] = Field(default_factory=dict, description="model name -> tokenizer.json or model "
                                        "folder, for models that need their own")
 

@@ -34,7 +34,15 @@ class ReplicaRemoved:
     replica: str
 
 
-Event = Union[ReplicaReady, ReplicaUnready, ReplicaRestarted, ReplicaRemoved]
+@dataclass(frozen=True)
+class ReplicaModels:
+    """The models a replica serves changed: (served name, the ``root`` it loaded them from, if it says)."""
+
+    replica: str
+    models: tuple[tuple[str, str | None], ...]
+
+
+Event = Union[ReplicaReady, ReplicaUnready, ReplicaRestarted, ReplicaRemoved, ReplicaModels]
 Listener = Callable[[Event], None]
 
 

@@ -1,20 +1,38 @@
-"""Prompt keys for requests: the tokenizer (if any) of each model, then :func:`router.prefix.key_for`.
+"""Prompt keys for requests: each model's tokenizer (if one is found), then :func:`router.prefix.key_for`.
 
-Prompts are keyed by bytes unless a tokenizer is configured for the model (``prefix.tokenizer``
-or ``prefix.tokenizers``); then by the token ids the replica's cache is keyed by. Long prompts are
-tokenized in a worker thread, off the event loop (the tokenizers package releases the GIL).
+``prefix.tokenizer: auto`` (the default) looks for each served model's tokenizer and chat template
+on this host, never downloading: the folder vLLM reports as the model's ``root`` in ``/v1/models``
+when it exists here, else the local Hugging Face cache. It says in the log which one it used, or
+that it found none: then that model is keyed in byte mode. A path keys every model with that
+tokenizer; ``none`` keys every model in byte mode. ``prefix.tokenizers`` names a tokenizer per model
+and wins over both.
+
+In byte mode a token counts as ``prefix.bytes_per_token`` bytes at first; the replicas' answers
+(``usage.prompt_tokens``) then teach the real figure per model, and the keys follow it once it has
+moved by more than a tenth (keys made before no longer match: the change is rare and early).
+
+Long prompts are tokenized in a worker thread, off the event loop (the tokenizers package releases
+the GIL); tokenizers are loaded in one too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
+from .background import Background
 from .config import ConfigError, PrefixConfig
+from .events import Event, EventBus, ReplicaModels
 from .prefix import PromptKey, key_for
-from .tokenizer import LocalTokenizer, TokenizerError
+from .tokenizer import LocalTokenizer, TokenizerError, find_local
+
+log = logging.getLogger("kvroute.keys")
 
 _INLINE_TOKENIZE_BYTES = 8192
+_MIN_SAMPLES = 8  # answers before the learned bytes per token is used
+_DECAY = 0.98  # weight of the past in the learned figure (about the last 50 answers count)
+_MOVE = 0.10  # relative change that makes the keys follow the learned figure
 
 
 def _load(field: str, path: str) -> LocalTokenizer:
@@ -24,14 +42,104 @@ def _load(field: str, path: str) -> LocalTokenizer:
         raise ConfigError(f"invalid configuration:\n  {field}: {e}") from None
 
 
+class _Calibration:
+    """Bytes per token of one model in byte mode, learned from the replicas' token counts."""
+
+    __slots__ = ("bytes", "tokens", "samples", "value")
+
+    def __init__(self, start: float) -> None:
+        self.bytes = 0.0
+        self.tokens = 0.0
+        self.samples = 0
+        self.value = start
+
+
 class PromptKeys:
-    def __init__(self, cfg: PrefixConfig) -> None:
-        self.bytes_per_token = cfg.bytes_per_token
-        self._default = _load("prefix.tokenizer", cfg.tokenizer) if cfg.tokenizer else None
-        self._by_model = {m: _load(f"prefix.tokenizers.{m}", p) for m, p in cfg.tokenizers.items()}
+    def __init__(self, cfg: PrefixConfig, events: EventBus | None = None) -> None:
+        self.cfg = cfg
+        self.auto = cfg.tokenizer == "auto"
+        fixed = cfg.tokenizer not in (None, "auto", "none")
+        self._default = _load("prefix.tokenizer", cfg.tokenizer) if fixed and cfg.tokenizer else None
+        self._by_model: dict[str, LocalTokenizer] = {
+            m: _load(f"prefix.tokenizers.{m}", p) for m, p in cfg.tokenizers.items()}
+        self._seen: set[str] = set(self._by_model)  # models the replicas serve (or configured)
+        self._source: dict[str, str] = {m: f"prefix.tokenizers.{m}" for m in self._by_model}
+        self._calibration: dict[str, _Calibration] = {}
+        self._background = Background()
+        if events is not None:
+            events.subscribe(self._on_event)
+
+    # -- keys ----------------------------------------------------------------------------------
+
+    def tokenizer(self, model: str) -> LocalTokenizer | None:
+        return self._by_model.get(model, self._default)
+
+    def bytes_per_token(self, model: str) -> float:
+        c = self._calibration.get(model)
+        return c.value if c is not None else self.cfg.bytes_per_token
 
     async def key(self, path: str, payload: dict[str, Any], model: str, body_size: int = 0) -> PromptKey | None:
         tokenizer = self._by_model.get(model, self._default)
+        bpt = self.bytes_per_token(model)
         if tokenizer is not None and body_size > _INLINE_TOKENIZE_BYTES:
-            return await asyncio.to_thread(key_for, path, payload, model, self.bytes_per_token, tokenizer)
-        return key_for(path, payload, model, self.bytes_per_token, tokenizer)
+            return await asyncio.to_thread(key_for, path, payload, model, bpt, tokenizer)
+        return key_for(path, payload, model, bpt, tokenizer)
+
+    # -- learning bytes per token --------------------------------------------------------------
+
+    def observe(self, model: str, key: PromptKey, prompt_tokens: int) -> None:
+        """A replica counted ``prompt_tokens`` for a prompt keyed as ``key``."""
+        if prompt_tokens <= 0 or any(isinstance(p, list) for p in key.prompts):
+            return  # token ids (some or all): nothing to learn
+        c = self._calibration.get(model)
+        if c is None:
+            c = self._calibration[model] = _Calibration(self.cfg.bytes_per_token)
+        c.bytes = c.bytes * _DECAY + key.byte_length()
+        c.tokens = c.tokens * _DECAY + prompt_tokens
+        c.samples += 1
+        learned = c.bytes / c.tokens
+        if c.samples >= _MIN_SAMPLES and abs(learned - c.value) > _MOVE * c.value:
+            log.info("prefix keys for model %s: %.2f bytes per token, learned from %d answers (was %.2f)",
+                     model, learned, c.samples, c.value)
+            c.value = round(learned, 2)
+
+    # -- finding tokenizers --------------------------------------------------------------------
+
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, ReplicaModels):
+            for model, root in event.models:
+                if model not in self._seen:
+                    self._seen.add(model)
+                    if self.auto and model not in self._by_model:
+                        self._background.spawn(self._find(model, root))
+
+    async def _find(self, model: str, root: str | None) -> None:
+        found = await asyncio.to_thread(find_local, root, model)
+        if found is not None:
+            folder, where = found
+            try:
+                self._by_model[model] = await asyncio.to_thread(LocalTokenizer, folder)
+                self._source[model] = where
+                log.info("prefix keys for model %s: its tokenizer from %s", model, where)
+                return
+            except TokenizerError as e:
+                log.warning("prefix keys for model %s: cannot load the tokenizer in %s (%s)", model, where, e)
+        log.warning("prefix keys for model %s: no tokenizer on this host (root %r is not a local folder, nor in the "
+                    "Hugging Face cache); keyed in byte mode with bytes per token learned from the replicas' "
+                    "answers. For exact keys set prefix.tokenizers.%s to the model's folder", model, root, model)
+
+    def describe(self) -> dict[str, Any]:
+        """Per model seen: how its prompts are keyed."""
+        models = self._seen | set(self._calibration)
+        out: dict[str, Any] = {}
+        for m in sorted(models):
+            if self.tokenizer(m) is not None:
+                out[m] = {"mode": "tokens", "tokenizer": self._source.get(m, "prefix.tokenizer")}
+            else:
+                c = self._calibration.get(m)
+                out[m] = {"mode": "bytes", "bytes_per_token": self.bytes_per_token(m),
+                          "answers_seen": c.samples if c is not None else 0}
+        return out
+
+    async def close(self) -> None:
+        await self._background.close()

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import httpx
 
 from .config import HealthConfig, IndexConfig, PLATFORMS, ProxyConfig, ReplicaConfig
-from .events import EventBus, ReplicaReady, ReplicaRestarted, ReplicaUnready
+from .events import EventBus, ReplicaModels, ReplicaReady, ReplicaRestarted, ReplicaUnready
 from .load import LoadTable
 from .metrics import Metrics
 from .replica_metrics import ReplicaStats, parse_metrics
@@ -142,6 +142,11 @@ class Replica:
             "last_error": self.last_error,
             "restarts": self.restarts,
         }
+
+
+def _roots(cards: dict[str, dict[str, Any]]) -> tuple[tuple[str, str | None], ...]:
+    """(served name, root folder or hub name) of each model card."""
+    return tuple(sorted((m, c["root"] if isinstance(c.get("root"), str) else None) for m, c in cards.items()))
 
 
 class ReplicaPool:
@@ -287,12 +292,16 @@ class ReplicaPool:
         for card in (payload or {}).get("data", []) if isinstance(payload, dict) else []:
             if isinstance(card, dict) and isinstance(card.get("id"), str):
                 cards[card["id"]] = card
+        roots = _roots(cards)
+        changed = roots != _roots(r.model_cards)
         r.model_cards = cards
         if not r.config.models:
             models = frozenset(cards)
             if models != r.models:
                 r.models = models
                 r.view = r.make_view()
+        if changed:
+            self.events.publish(ReplicaModels(r.name, roots))
 
     async def scrape(self, r: Replica) -> None:
         """One scrape of /metrics: engine load, KV usage and size, restarts."""

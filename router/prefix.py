@@ -22,6 +22,7 @@ Canonical forms:
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
@@ -107,8 +108,13 @@ def chain_tokens(ids: Sequence[int], block_tokens: int, seed: int) -> list[int]:
     return chain_bytes(packed, block_tokens * 4, seed)
 
 
-def _tokens(prompt: bytes | list[int], bytes_per_token: int) -> int:
-    return len(prompt) if isinstance(prompt, list) else -(-len(prompt) // bytes_per_token)
+def _tokens(prompt: bytes | list[int], bytes_per_token: float) -> int:
+    return len(prompt) if isinstance(prompt, list) else math.ceil(len(prompt) / bytes_per_token)
+
+
+def block_bytes(block_tokens: int, bytes_per_token: float) -> int:
+    """Bytes per KV block in byte mode."""
+    return max(1, round(block_tokens * bytes_per_token))
 
 
 @dataclass
@@ -121,8 +127,12 @@ class PromptKey:
     model: str
     seed: int
     prompts: list[bytes | list[int]]
-    bytes_per_token: int
+    bytes_per_token: float
     _chains: dict[int, list[list[int]]] = field(default_factory=dict)
+
+    def byte_length(self) -> int:
+        """Bytes of the byte-mode prompts (what calibration divides by the replica's token count)."""
+        return sum(len(p) for p in self.prompts if not isinstance(p, list))
 
     def prompt_tokens(self) -> list[int]:
         """Prompt length in tokens (estimated in byte mode), per prompt."""
@@ -133,7 +143,8 @@ class PromptKey:
         got = self._chains.get(block_tokens)
         if got is None:
             got = [chain_tokens(p, block_tokens, self.seed) if isinstance(p, list)
-                   else chain_bytes(p, block_tokens * self.bytes_per_token, self.seed) for p in self.prompts]
+                   else chain_bytes(p, block_bytes(block_tokens, self.bytes_per_token), self.seed)
+                   for p in self.prompts]
             self._chains[block_tokens] = got
         return got
 
@@ -172,7 +183,7 @@ def prompts_of(path: str, payload: dict[str, Any],
     return None
 
 
-def key_for(path: str, payload: dict[str, Any], model: str, bytes_per_token: int = 4,
+def key_for(path: str, payload: dict[str, Any], model: str, bytes_per_token: float = 4,
             tokenizer: "LocalTokenizer | None" = None) -> PromptKey | None:
     prompts = prompts_of(path, payload, tokenizer)
     if not prompts:

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,8 @@ _FORWARD_REQUEST_HEADERS = frozenset({b"content-type", b"accept", b"accept-encod
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
                          b"proxy-authenticate", b"proxy-connection", b"date", b"server", b"x-request-id"})
 _MAX_ERROR_BODY = 64 * 1024
+# usage.prompt_tokens in an answer (the whole body, or a stream's usage chunk): teaches byte mode
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,9})')
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Call:
     status: int = 0
     ttfb: float | None = None
     ticket: Ticket | None = None  # the latest attempt's
+    prompt_tokens: int | None = None  # the replica's usage.prompt_tokens, when it was looked for
     sent_at: float = 0.0  # the last attempt's request went to the replica
     upstream_ttfb: float | None = None  # from then to the replica's first body byte
 
@@ -156,7 +160,7 @@ class Forwarder:
                 ticket.finish(call.status or 499)
                 raise
             if failure is None:
-                ticket.finish(call.status)
+                ticket.finish(call.status, call.prompt_tokens)
                 return
             ticket.failed(failure.kind)
             self.metrics.upstream_errors.labels(ticket.name, failure.kind).inc()
@@ -214,6 +218,10 @@ class Forwarder:
                     ticket.replica.m_ttfb.observe(call.ttfb)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 tail = chunk[-2:]
+                if ticket.learns_tokens and call.prompt_tokens is None and 200 <= call.status < 300:
+                    found = _PROMPT_TOKENS.search(chunk)
+                    if found is not None:
+                        call.prompt_tokens = int(found.group(1))
         except UpstreamError as e:
             idle = isinstance(e, ReadTimeout)
             kind = KINDS["stream_idle_timeout" if idle else "stream_broken"]

@@ -52,7 +52,8 @@ def cached_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> i
 class Ticket:
     """One attempt's routing: where it goes, and what routing must hear back about it."""
 
-    __slots__ = ("_router", "req", "replica", "name", "cached_tokens", "reason", "_pending", "_receipts", "_open")
+    __slots__ = ("_router", "req", "replica", "name", "cached_tokens", "reason", "learns_tokens", "_pending",
+                 "_receipts", "_open")
 
     def __init__(self, router: "Router", req: RouteRequest, replica: Replica, cached: int, reason: str | None,
                  pending: int, receipts: list[Receipt]) -> None:
@@ -62,6 +63,8 @@ class Ticket:
         self.name = replica.name
         self.cached_tokens = cached
         self.reason = reason  # cache, load or fallback; None when the prompt was not keyed
+        # keyed in byte mode: the replica's usage.prompt_tokens teaches the model's bytes per token
+        self.learns_tokens = req.key is not None and all(not isinstance(p, list) for p in req.key.prompts)
         self._pending = pending
         self._receipts = receipts
         self._open = True
@@ -80,12 +83,13 @@ class Ticket:
             self._prefilled()
             self._router._failed(self, kind)
 
-    def finish(self, status: int) -> None:
-        """The answer ended (completed, broken mid-stream, or the client left)."""
+    def finish(self, status: int, prompt_tokens: int | None = None) -> None:
+        """The answer ended (completed, broken mid-stream, or the client left); ``prompt_tokens`` is the
+        replica's count of the prompt, when its answer said."""
         if self._open:
             self._open = False
             self._prefilled()
-            self._router._finished(self, status)
+            self._router._finished(self, status, prompt_tokens)
 
     def _prefilled(self) -> None:
         if self._pending:
@@ -219,9 +223,11 @@ class Router:
         except Exception:
             log.exception("prefix index withdrawal failed")
 
-    def _finished(self, ticket: Ticket, status: int) -> None:
+    def _finished(self, ticket: Ticket, status: int, prompt_tokens: int | None) -> None:
         req = ticket.req
         self.admission.release(ticket.name)
+        if prompt_tokens and self.keys is not None and req.key is not None and req.model is not None:
+            self.keys.observe(req.model, req.key, prompt_tokens)
         if ticket.reason is not None:
             m = self.metrics
             model = req.model or ""
@@ -264,6 +270,8 @@ class Router:
         if self._sizes_task is not None:
             self._sizes_task.cancel()
         await self._background.close()
+        if self.keys is not None:
+            await self.keys.close()
         if self.index is not None:
             await self.index.close()
         await self.sessions.close()

@@ -7,12 +7,13 @@ special tokens again, as vLLM does.
 
 ``path`` is a ``tokenizer.json`` file, or a model folder holding ``tokenizer.json`` and,
 optionally, ``tokenizer_config.json`` (``chat_template``, ``bos_token``, ``eos_token``) or
-``chat_template.jinja``. Needs the ``tokenizer`` extra: ``pip install 'kvroute[tokenizer]'``.
+``chat_template.jinja``. :func:`find_local` finds a served model's folder on this host.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,7 +33,7 @@ class LocalTokenizer:
         try:
             import tokenizers
         except ImportError:
-            raise TokenizerError("a tokenizer needs the 'tokenizers' package: pip install 'kvroute[tokenizer]'") from None
+            raise TokenizerError("a tokenizer needs the 'tokenizers' package: pip install tokenizers") from None
         path = Path(path)
         folder = path if path.is_dir() else path.parent
         file = path / "tokenizer.json" if path.is_dir() else path
@@ -60,8 +61,7 @@ class LocalTokenizer:
             try:
                 from jinja2.sandbox import ImmutableSandboxedEnvironment
             except ImportError:
-                raise TokenizerError("a chat template needs the 'jinja2' package: "
-                                     "pip install 'kvroute[tokenizer]'") from None
+                raise TokenizerError("a chat template needs the 'jinja2' package: pip install jinja2") from None
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
             self._template = env.from_string(template)
@@ -82,3 +82,47 @@ class LocalTokenizer:
 
 def _raise(message: str) -> None:
     raise TokenizerError(message)
+
+
+def _hub_caches() -> list[Path]:
+    """Where the Hugging Face hub keeps downloaded models on this host (never fetched from here)."""
+    out = []
+    if os.environ.get("HF_HUB_CACHE"):
+        out.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        out.append(Path(os.environ["HF_HOME"]) / "hub")
+    out.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return out
+
+
+def _snapshot(repo: Path) -> Path | None:
+    """The snapshot ``refs/main`` names, else the newest one that has a tokenizer."""
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        pinned = snapshots / ref.read_text().strip()
+        if (pinned / "tokenizer.json").is_file():
+            return pinned
+    found = [s for s in snapshots.glob("*") if (s / "tokenizer.json").is_file()] if snapshots.is_dir() else []
+    return max(found, key=lambda s: s.stat().st_mtime) if found else None
+
+
+def find_local(root: str | None, served: str) -> tuple[Path, str] | None:
+    """A model's tokenizer folder on this host, and where it was found; None if there is none.
+
+    ``root`` is what vLLM reports as the model's ``root`` in ``/v1/models``: the folder it loaded
+    the model from, or a hub name (``org/name``), which maps to the local Hugging Face cache; the
+    served name is tried as a hub name too. Nothing is downloaded.
+    """
+    if root:
+        path = Path(root).expanduser()
+        if path.is_dir() and (path / "tokenizer.json").is_file():
+            return path, f"the model's folder {path}"
+    for name in (root, served):
+        if not name or name.startswith(("/", ".", "~")) or name.count("/") != 1:
+            continue
+        for cache in _hub_caches():
+            snap = _snapshot(cache / ("models--" + name.replace("/", "--")))
+            if snap is not None:
+                return snap, f"the Hugging Face cache ({snap})"
+    return None

@@ -124,3 +124,56 @@ def test_router_with_a_tokenizer_predicts_cached_tokens_in_whole_blocks(cluster,
     shared = len(tok.encode(tok.render_chat([{"role": "system", "content": system}]), add_special_tokens=False))
     assert cached[0] == 0
     assert cached[1] % 16 == 0 and shared - 32 <= cached[1] <= shared + 16
+
+
+# -- prefix.tokenizer: auto (the default) ------------------------------------------------------
+
+
+def test_a_models_root_folder_on_this_host_has_its_tokenizer(model_dir):
+    from router.tokenizer import find_local
+    folder, where = find_local(str(model_dir), "tiny")
+    assert folder == model_dir and "folder" in where
+
+
+def test_a_hub_name_is_looked_up_in_the_local_hugging_face_cache(model_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from router.tokenizer import find_local
+    repo = tmp_path / "hf" / "hub" / "models--acme--tiny-chat"
+    for rev in ("old", "pinned"):
+        (repo / "snapshots" / rev).mkdir(parents=True)
+        shutil.copy(model_dir / "tokenizer.json", repo / "snapshots" / rev / "tokenizer.json")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("pinned")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    assert find_local("acme/tiny-chat", "served")[0] == repo / "snapshots" / "pinned"
+    assert find_local("/models/elsewhere", "acme/tiny-chat")[0] == repo / "snapshots" / "pinned"  # the served name
+    assert find_local("/models/elsewhere", "tiny") is None
+
+
+def test_with_no_configuration_the_router_keys_by_the_tokenizer_the_replica_names(cluster, model_dir):
+    import httpx
+    from helpers import wait_until
+    sim = cluster.sim("--ttft-ms", "1", "--itl-ms", "1", "--root", str(model_dir))
+    rt = cluster.router([sim])
+
+    def keys():
+        return httpx.get(rt.url + "/admin/replicas", timeout=2).json()["prompt_keys"]
+    wait_until(lambda: keys().get("tiny", {}).get("mode") == "tokens", timeout=5)
+    assert str(model_dir) in keys()["tiny"]["tokenizer"]
+    wait_until(lambda: "its tokenizer from the model's folder" in rt.log_tail(20000), timeout=5)
+
+
+def test_in_byte_mode_bytes_per_token_is_learned_from_the_replicas_answers(cluster):
+    import httpx
+    from helpers import wait_until
+    sim = cluster.sim("--ttft-ms", "1", "--itl-ms", "1", "--bytes-per-token", "6")  # its root is not on this host
+    rt = cluster.router([sim])
+    wait_until(lambda: "set prefix.tokenizers.tiny to the model's folder" in rt.log_tail(20000).lower(), timeout=5)
+    for i in range(24):
+        r = httpx.post(rt.url + "/v1/completions", timeout=10, json={
+            "model": "tiny", "prompt": " ".join(WORDS[: 5 + i % 11]) * (3 + i), "max_tokens": 1})
+        assert r.status_code == 200
+    keys = httpx.get(rt.url + "/admin/replicas", timeout=2).json()["prompt_keys"]["tiny"]
+    assert keys["mode"] == "bytes" and 5.7 <= keys["bytes_per_token"] <= 6.3, keys

@@ -134,11 +134,16 @@ def test_client_disconnect_mid_stream_makes_vllm_abort(gateway, replicas):
     assert after[finished] == start[finished], "the request ran to max_tokens"
 
 
-def test_with_the_models_tokenizer_predicted_cached_tokens_match_vllms_hits(replicas, home, tmp_path):
+@pytest.mark.parametrize("tokenizer", ["found by itself", "configured"])
+def test_with_the_models_tokenizer_predicted_cached_tokens_match_vllms_hits(replicas, home, tmp_path, tokenizer):
+    """By default the router finds the tokenizer in the folder vLLM reports as the model's root."""
     c = Cluster(tmp_path)
-    rt = c.router(replicas, "--set", f"prefix.tokenizer={vllm_cluster.model_dir(home)}", wait_ready=False)
+    extra = ["--set", f"prefix.tokenizer={vllm_cluster.model_dir(home)}"] if tokenizer == "configured" else []
+    rt = c.router(replicas, *extra, wait_ready=False)
     try:
         rt.wait_http("/ready", timeout=30)
+        wait_until(lambda: httpx.get(rt.url + "/admin/replicas").json()["prompt_keys"].get(
+            "tiny", {}).get("mode") == "tokens", timeout=10)
         before = {p.url: vllm_cluster.metrics(p.url)["vllm:prefix_cache_hits_total"] for p in replicas}
         systems = [" ".join(["alpha bravo charlie delta echo foxtrot"] * 60) + f" group {g}" for g in range(2)]
         predicted = 0
