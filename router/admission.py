@@ -87,16 +87,18 @@ class Admission:
     def _choose_and_take(self, req: RouteRequest) -> Scored | None:
         """The policy's pick with its slot taken, or None if every candidate is full."""
         views = self.views()
+        raced = False
         while True:
             try:
                 view, score = self.policy.choose(req, views)
             except NoCandidate as e:
-                if e.why != "at_capacity":
+                if e.why != "at_capacity" and not raced:
                     raise
-                return None
+                return None  # all full (or the one that was not is full now): wait for a slot
             if self.load.take(view.name, view.max_num_seqs):
                 return view, score
             # another worker took the last slot since the view was made: try the others
+            raced = True
             views = [v for v in views if v.name != view.name]
             if not views:
                 return None

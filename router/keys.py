@@ -9,7 +9,8 @@ and wins over both.
 
 In byte mode a token counts as ``prefix.bytes_per_token`` bytes at first; the replicas' answers
 (``usage.prompt_tokens``) then teach the real figure per model, and the keys follow it once it has
-moved by more than a tenth (keys made before no longer match: the change is rare and early).
+moved away from it: the first time by a tenth after 2 answers, later by a quarter after 8 (keys made before
+a change no longer match, so the first one comes early and the rest are rare).
 
 Long prompts are tokenized in a worker thread, off the event loop (the tokenizers package releases
 the GIL); tokenizers are loaded in one too.
@@ -30,9 +31,11 @@ from .tokenizer import LocalTokenizer, TokenizerError, find_local
 log = logging.getLogger("kvroute.keys")
 
 _INLINE_TOKENIZE_BYTES = 8192
-_MIN_SAMPLES = 8  # answers before the learned bytes per token is used
+_FIRST_SAMPLES = 2  # answers before the first learned figure replaces the configured one
+_MIN_SAMPLES = 8  # answers before a later change
 _DECAY = 0.98  # weight of the past in the learned figure (about the last 50 answers count)
-_MOVE = 0.10  # relative change that makes the keys follow the learned figure
+_FIRST_MOVE = 0.10  # relative change from the configured figure that the first learned one must show
+_MOVE = 0.25  # ... and any later one: a change invalidates every key made before it, a small error costs little
 
 
 def _load(field: str, path: str) -> LocalTokenizer:
@@ -45,13 +48,14 @@ def _load(field: str, path: str) -> LocalTokenizer:
 class _Calibration:
     """Bytes per token of one model in byte mode, learned from the replicas' token counts."""
 
-    __slots__ = ("bytes", "tokens", "samples", "value")
+    __slots__ = ("bytes", "tokens", "samples", "value", "changes")
 
     def __init__(self, start: float) -> None:
         self.bytes = 0.0
         self.tokens = 0.0
         self.samples = 0
         self.value = start
+        self.changes = 0
 
 
 class PromptKeys:
@@ -98,7 +102,12 @@ class PromptKeys:
         c.tokens = c.tokens * _DECAY + prompt_tokens
         c.samples += 1
         learned = c.bytes / c.tokens
-        if c.samples >= _MIN_SAMPLES and abs(learned - c.value) > _MOVE * c.value:
+        # the first change comes early: every prompt keyed before it loses its match (a conversation's
+        # next turn no longer finds its first); later ones need more answers and a real move
+        first = c.changes == 0
+        if c.samples >= (_FIRST_SAMPLES if first else _MIN_SAMPLES) and \
+                abs(learned - c.value) > (_FIRST_MOVE if first else _MOVE) * c.value:
+            c.changes += 1
             log.info("prefix keys for model %s: %.2f bytes per token, learned from %d answers (was %.2f)",
                      model, learned, c.samples, c.value)
             c.value = round(learned, 2)

@@ -151,6 +151,9 @@ class Router:
                         receipts.append(receipt)
             except Exception:  # the index is advice: a request never fails because of it
                 log.exception("prefix index record failed", extra={"request_id": req.request_id})
+            except BaseException:  # cancelled (the client left) before a ticket owns the slot
+                self.admission.release(name)
+                raise
             if pending:
                 self.load.add_pending(name, pending)
         return Ticket(self, req, replica, cached, reason, pending, receipts)
