@@ -6,8 +6,9 @@ For benchmarks in which the router must be the bottleneck: an asyncio protocol o
 parser (no ASGI framework), answering ``POST /v1/completions`` and ``/v1/chat/completions`` with
 the captured responses in ``tests/fixtures/vllm-0.32`` (a non-streaming body, or the captured SSE
 stream as one chunk per event written at once), and ``GET /health``, ``/v1/models``, ``/metrics``
-likewise. It spends a few tens of microseconds per request; it generates nothing and keeps no state
-but a request count.
+likewise. Only ``usage.prompt_tokens`` follows the request (its body's bytes / 4), so that a router
+learning bytes per token from answers learns a plausible figure. It spends a few tens of
+microseconds per request; it generates nothing and keeps no state but a request count.
 """
 
 from __future__ import annotations
@@ -15,27 +16,40 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Callable
 
 import httptools
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm-0.32"
 
 
-def _load() -> dict[tuple[bytes, bool], bytes]:
-    """Whole HTTP responses, keyed by (path, streaming)."""
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\d+')
 
-    def plain(body: bytes, ctype: bytes = b"application/json") -> bytes:
-        return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (ctype, len(body), body)
 
-    def sse(text: bytes) -> bytes:
-        events = [e + b"\n\n" for e in text.strip().split(b"\n\n")]
-        chunks = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
-        return (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-                b"transfer-encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n")
+def plain(body: bytes, ctype: bytes = b"application/json") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (ctype, len(body), body)
+
+
+def sse(text: bytes) -> bytes:
+    events = [e + b"\n\n" for e in text.strip().split(b"\n\n")]
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n")
+
+
+def _load() -> dict[tuple[bytes, bool], Callable[[int], bytes]]:
+    """Whole HTTP responses by the request's body size, keyed by (path, streaming)."""
+
+    def fixed(response: bytes) -> Callable[[int], bytes]:
+        return lambda size: response
+
+    def counted(render: Callable[[bytes], bytes], body: bytes) -> Callable[[int], bytes]:
+        return lambda size: render(_PROMPT_TOKENS.sub(b'"prompt_tokens":%d' % max(1, size // 4), body))
 
     def fixture(name: str) -> bytes:
         return (FIXTURES / name).read_bytes()
@@ -43,13 +57,13 @@ def _load() -> dict[tuple[bytes, bool], bytes]:
     completion = json.dumps(json.loads(fixture("completions.json"))).encode()
     chat = json.dumps(json.loads(fixture("chat.json"))).encode()
     return {
-        (b"/v1/completions", False): plain(completion),
-        (b"/v1/completions", True): sse(fixture("completions-stream.sse")),
-        (b"/v1/chat/completions", False): plain(chat),
-        (b"/v1/chat/completions", True): sse(fixture("chat-stream.sse")),
-        (b"/health", False): plain(b""),
-        (b"/v1/models", False): plain(json.dumps(json.loads(fixture("models.json"))).encode()),
-        (b"/metrics", False): plain(fixture("metrics.txt"), b"text/plain; version=0.0.4; charset=utf-8"),
+        (b"/v1/completions", False): counted(plain, completion),
+        (b"/v1/completions", True): counted(sse, fixture("completions-stream.sse")),
+        (b"/v1/chat/completions", False): counted(plain, chat),
+        (b"/v1/chat/completions", True): counted(sse, fixture("chat-stream.sse")),
+        (b"/health", False): fixed(plain(b"")),
+        (b"/v1/models", False): fixed(plain(json.dumps(json.loads(fixture("models.json"))).encode())),
+        (b"/metrics", False): fixed(plain(fixture("metrics.txt"), b"text/plain; version=0.0.4; charset=utf-8")),
     }
 
 
@@ -59,7 +73,7 @@ _NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\nconte
 class _Conn(asyncio.Protocol):
     served = 0
 
-    def __init__(self, responses: dict[tuple[bytes, bool], bytes]) -> None:
+    def __init__(self, responses: dict[tuple[bytes, bool], Callable[[int], bytes]]) -> None:
         self.responses = responses
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
@@ -89,7 +103,8 @@ class _Conn(asyncio.Protocol):
         assert self.transport is not None
         body = b"".join(self.body)
         stream = b'"stream":true' in body.replace(b" ", b"")
-        self.transport.write(self.responses.get((self.url, stream), _NOT_FOUND))
+        respond = self.responses.get((self.url, stream))
+        self.transport.write(respond(len(body)) if respond is not None else _NOT_FOUND)
         _Conn.served += 1
         self.url = b""
         self.body = []

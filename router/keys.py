@@ -101,7 +101,8 @@ class PromptKeys:
         c.bytes = c.bytes * _DECAY + key.byte_length()
         c.tokens = c.tokens * _DECAY + prompt_tokens
         c.samples += 1
-        learned = c.bytes / c.tokens
+        # within the configured field's range: an answer whose usage is wrong must not make blocks absurd
+        learned = min(16.0, max(1.0, c.bytes / c.tokens))
         # the first change comes early: every prompt keyed before it loses its match (a conversation's
         # next turn no longer finds its first); later ones need more answers and a real move
         first = c.changes == 0

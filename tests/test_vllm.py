@@ -145,7 +145,9 @@ def test_with_the_models_tokenizer_predicted_cached_tokens_match_vllms_hits(repl
         wait_until(lambda: httpx.get(rt.url + "/admin/replicas").json()["prompt_keys"].get(
             "tiny", {}).get("mode") == "tokens", timeout=10)
         before = {p.url: vllm_cluster.metrics(p.url)["vllm:prefix_cache_hits_total"] for p in replicas}
-        systems = [" ".join(["alpha bravo charlie delta echo foxtrot"] * 60) + f" group {g}" for g in range(2)]
+        # prompts of this case only, from the first token on: the replicas' caches outlive each case's router
+        systems = [f"{tokenizer} case, group {g}: " + " ".join(["alpha bravo charlie delta echo foxtrot"] * 60)
+                   for g in range(2)]
         predicted = 0
         with httpx.Client(timeout=60) as http:
             for i in range(12):
