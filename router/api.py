@@ -61,10 +61,10 @@ class Gateway:
         self.metrics = Metrics()
         self.events = EventBus()
         self.policy = build_policy(config.policy, config.cache_aware)
-        workers = share.workers if share is not None else 1  # router.workers.check vetted the set-up
+        # several workers share load (router.workers.check vetted the set-up)
         self.load = LoadTable([r.name for r in config.replicas], self.metrics, share, worker)
         self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.load, self.events,
-                                default_blocks=config.index.default_blocks, worker=worker, workers=workers)
+                                default_blocks=config.index.default_blocks)
         index: PrefixIndex | None = None
         keys: PromptKeys | None = None
         if self.policy.uses_prefix:
@@ -75,8 +75,8 @@ class Gateway:
         self.admission = Admission(self.policy, self.load, self.pool.views, self.pool.view_of, config.queue,
                                    self.metrics, self.events)
         self.router = Router(self.pool, self.load, self.policy, self.admission,
-                             build_sessions(config.index, config.sessions, self.metrics, share,
-                                            [r.name for r in config.replicas]), self.metrics, self.events,
+                             build_sessions(config.index, config.sessions, self.metrics, share, self.load.names),
+                             self.metrics, self.events,
                              index=index, keys=keys)
         self.forwarder = Forwarder(self.router, self.pool, config.proxy, self.metrics)
         self.auth = Auth(config.auth)

@@ -141,6 +141,11 @@ class IndexConfig(_Model):
                             "error counts at once); a lone timeout only sends that request to the local index")
     default_blocks: int = Field(16384, ge=1, description="KV blocks assumed for a replica whose size is unknown")
 
+    @property
+    def background_timeout_s(self) -> float:
+        """Limit of Redis calls off the request's path (connects, records, forgets): never under 1 s."""
+        return max(1.0, self.timeout_s)
+
     @field_validator("backend")
     @classmethod
     def _check_backend(cls, v: str) -> str:

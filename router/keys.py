@@ -93,7 +93,7 @@ class PromptKeys:
 
     def observe(self, model: str, key: PromptKey, prompt_tokens: int) -> None:
         """A replica counted ``prompt_tokens`` for a prompt keyed as ``key``."""
-        if prompt_tokens <= 0 or any(isinstance(p, list) for p in key.prompts):
+        if prompt_tokens <= 0 or not key.in_bytes:
             return  # token ids (some or all): nothing to learn
         c = self._calibration.get(model)
         if c is None:

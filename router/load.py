@@ -115,12 +115,6 @@ class LoadTable:
             return c[self._own[name]]
         return sum(c[j] for j in self._rows[name])
 
-    def pending(self, name: str) -> int:
-        c = self._cells
-        if self.workers == 1:
-            return c[self._own[name] + _PENDING]
-        return sum(c[j + _PENDING] for j in self._rows[name])
-
     def figures(self, name: str) -> tuple[bool, int, int]:
         """(drained, in-flight requests, pending prefill tokens) of ``name``, over this host's workers."""
         c = self._cells
@@ -135,9 +129,6 @@ class LoadTable:
 
     def set_drained(self, name: str, drained: bool) -> None:
         self._cells[self._drained[name]] = 1 if drained else 0
-
-    def drained(self, name: str) -> bool:
-        return self._cells[self._drained[name]] != 0
 
     # -- peaks, for telling this host's load from other clients' in a scrape ------------------
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import httpx
 
@@ -159,13 +159,9 @@ class ReplicaPool:
         load: LoadTable,
         events: EventBus | None = None,
         default_blocks: int = _DEFAULT_BLOCKS,
-        worker: int = 0,
-        workers: int = 1,
     ) -> None:
         self.health = health
         self.load = load
-        self.worker = worker
-        self.workers = workers
         self.metrics = metrics
         self.events = events or EventBus()
         self._control = httpx.AsyncClient(
@@ -335,26 +331,25 @@ class ReplicaPool:
             return True
         return cur.prefix_queries < prev.prefix_queries  # a counter only goes back when the process is new
 
-    async def _health_loop(self, r: Replica) -> None:
-        interval = self.health.interval_s * self.workers
-        first = True
+    def _pauses(self, interval: float) -> Iterator[float]:
+        """Seconds between one worker's checks: every worker checks at start, then they take turns."""
+        yield interval * self.load.workers + interval * self.load.worker
         while True:
+            yield interval * self.load.workers
+
+    async def _health_loop(self, r: Replica) -> None:
+        for pause in self._pauses(self.health.interval_s):
             try:
                 await self.check(r)
             except Exception:  # keep checking whatever happens
                 log.exception("health check of %s crashed", r.name)
-            # every worker checks at start; then they take turns
-            await asyncio.sleep(interval + (self.worker * self.health.interval_s if first else 0.0))
-            first = False
+            await asyncio.sleep(pause)
 
     async def _metrics_loop(self, r: Replica) -> None:
-        interval = self.health.metrics_interval_s * self.workers
-        first = True
-        while True:
+        for pause in self._pauses(self.health.metrics_interval_s):
             if r.state != "unready":
                 try:
                     await self.scrape(r)
                 except Exception:
                     log.exception("metrics scrape of %s crashed", r.name)
-            await asyncio.sleep(interval + (self.worker * self.health.metrics_interval_s if first else 0.0))
-            first = False
+            await asyncio.sleep(pause)

@@ -130,6 +130,11 @@ class PromptKey:
     bytes_per_token: float
     _chains: dict[int, list[list[int]]] = field(default_factory=dict)
 
+    @property
+    def in_bytes(self) -> bool:
+        """Every prompt is keyed by bytes (byte mode): its length in tokens is an estimate."""
+        return not any(isinstance(p, list) for p in self.prompts)
+
     def byte_length(self) -> int:
         """Bytes of the byte-mode prompts (what calibration divides by the replica's token count)."""
         return sum(len(p) for p in self.prompts if not isinstance(p, list))

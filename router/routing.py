@@ -64,7 +64,7 @@ class Ticket:
         self.cached_tokens = cached
         self.reason = reason  # cache, load or fallback; None when the prompt was not keyed
         # keyed in byte mode: the replica's usage.prompt_tokens teaches the model's bytes per token
-        self.learns_tokens = req.key is not None and all(not isinstance(p, list) for p in req.key.prompts)
+        self.learns_tokens = req.key is not None and req.key.in_bytes
         self._pending = pending
         self._receipts = receipts
         self._open = True
@@ -111,7 +111,6 @@ class Router:
         self.keys = keys
         self._m_lookup = metrics.index_lookup
         self._background = Background()
-        self._sizes_task: asyncio.Task[None] | None = None
         events.subscribe(self._on_event)
 
     # -- deciding --------------------------------------------------------------------------
@@ -254,7 +253,7 @@ class Router:
     async def start(self) -> None:
         if self.index is not None:
             await self.index.start()
-            self._sizes_task = asyncio.get_running_loop().create_task(self._sizes_loop())
+            self._background.spawn(self._sizes_loop())
 
     async def _sizes_loop(self) -> None:
         assert self.index is not None
@@ -270,8 +269,6 @@ class Router:
                 log.exception("index size refresh failed")
 
     async def close(self) -> None:
-        if self._sizes_task is not None:
-            self._sizes_task.cancel()
         await self._background.close()
         if self.keys is not None:
             await self.keys.close()

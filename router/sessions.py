@@ -116,8 +116,8 @@ class RedisSessions:
         self.ttl_ms = max(1, int(cfg.ttl_s * 1000))
         self.timeout_s = index.timeout_s
         self.metrics = metrics
-        self.client = Redis(index.backend, connect_timeout=max(1.0, index.timeout_s))
-        self._store_timeout_s = max(1.0, index.timeout_s)
+        self.client = Redis(index.backend, connect_timeout=index.background_timeout_s)
+        self._store_timeout_s = index.background_timeout_s
         self._background = Background()
 
     async def get(self, session: str) -> str | None:

@@ -33,9 +33,6 @@ class ReplicaView(NamedTuple):
         """This host's in-flight requests plus what other clients had there at the last scrape."""
         return self.inflight + self.external_load
 
-    def serves(self, model: str | None) -> bool:
-        return model is None or model in self.models
-
 
 def with_load(base: ReplicaView, drained: bool, inflight: int, pending_prefill: int) -> ReplicaView:
     """``base`` with the load table's figures (cheaper than ``_replace`` on the hot path)."""

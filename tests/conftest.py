@@ -8,7 +8,7 @@ from typing import Iterator
 import pytest
 import yaml
 
-from loadtest.cluster import Proc, router, simulator
+from loadtest.cluster import Proc, redis_server, router, simulator, wait_redis
 
 # Fast by default: tests set slower timings where they need them.
 FAST = ("--ttft-ms", "2", "--itl-ms", "1")
@@ -58,6 +58,15 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]
     if failed is not None and failed.failed:
         for p in c.procs:
             print(f"----- {p.name} log -----\n{p.log_tail()}")
+
+
+@pytest.fixture
+def redis_proc(tmp_path: Path) -> Iterator[Proc]:
+    """A throw-away redis-server of this test's own, on a free port."""
+    p = redis_server(log_dir=tmp_path).start()
+    wait_redis(p)
+    yield p
+    p.stop()
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -6,10 +6,9 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from helpers import replicas_view, wait_until
-from loadtest.cluster import redis_server, wait_redis
+from loadtest.cluster import wait_redis
 from loadtest.simulator import PrefixCache, prompt_text
 from loadtest.workloads import shared_prefix
 from router.replica_metrics import parse_metrics
@@ -122,14 +121,6 @@ def test_restarted_replica_is_forgotten(cluster):
     wait_until(lambda: replicas_view(rt)[sim.url]["restarts"] == 1, timeout=5)
     time.sleep(0.2)
     assert send(rt.url, q[1]).headers["x-kvroute-cached-tokens"] == "0"
-
-
-@pytest.fixture
-def redis_proc(tmp_path):
-    p = redis_server(log_dir=tmp_path).start()
-    wait_redis(p)
-    yield p
-    p.stop()
 
 
 def test_two_routers_sharing_redis_send_a_prefix_group_to_the_same_replica(cluster, redis_proc):

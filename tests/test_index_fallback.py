@@ -2,7 +2,7 @@
 
 import asyncio
 
-from loadtest.cluster import free_port, redis_server, wait_redis
+from loadtest.cluster import free_port
 from router.config import IndexConfig
 from router.index.fallback import FallbackIndex
 from router.index.memory import MemoryIndex
@@ -22,29 +22,25 @@ async def settle(index, until, timeout=5.0):
         await asyncio.sleep(0.02)
 
 
-def test_records_reach_redis_and_withdrawals_take_them_back(tmp_path):
-    proc = redis_server(log_dir=tmp_path).start()
-    try:
-        wait_redis(proc)
+def test_records_reach_redis_and_withdrawals_take_them_back(redis_proc):
+    url = f"redis://127.0.0.1:{redis_proc.port}/0"
 
-        async def go():
-            index = fallback(f"redis://127.0.0.1:{proc.port}/0")
-            other = RedisIndex(f"redis://127.0.0.1:{proc.port}/0", namespace="fb")  # another router's view
-            try:
-                await index.start()
-                receipt = await index.record("m", "a", [1, 2, 3], 100)
-                await settle(index, lambda: _held(other, [1, 2, 3], 3))
-                await index.withdraw(receipt)
-                await settle(index, lambda: _held(other, [1, 2, 3], 0))
-                probe = await index.probe("m", [1, 2, 3], ["a"])
-                return probe.degraded, probe.matches["a"].blocks
-            finally:
-                await index.close()
-                await other.close()
+    async def go():
+        index = fallback(url)
+        other = RedisIndex(url, namespace="fb")  # another router's view
+        try:
+            await index.start()
+            receipt = await index.record("m", "a", [1, 2, 3], 100)
+            await settle(index, lambda: _held(other, [1, 2, 3], 3))
+            await index.withdraw(receipt)
+            await settle(index, lambda: _held(other, [1, 2, 3], 0))
+            probe = await index.probe("m", [1, 2, 3], ["a"])
+            return probe.degraded, probe.matches["a"].blocks
+        finally:
+            await index.close()
+            await other.close()
 
-        assert asyncio.run(go()) == (False, 0)
-    finally:
-        proc.stop()
+    assert asyncio.run(go()) == (False, 0)
 
 
 async def _held(index, chain, blocks):

@@ -5,16 +5,13 @@ import signal
 
 import pytest
 
-from loadtest.cluster import Proc, free_port, redis_server, wait_redis
+from loadtest.cluster import Proc, free_port, wait_redis
 from router.index.resp import ConnectionLost, Redis, ReplyError, _Incomplete, encode, parse
 
 
 @pytest.fixture
-def server(tmp_path):
-    p = redis_server(log_dir=tmp_path).start()
-    wait_redis(p)
-    yield p
-    p.stop()
+def server(redis_proc):
+    return redis_proc
 
 
 def run(coro):

@@ -8,7 +8,6 @@ import httpx
 
 from conftest import FAST
 from helpers import set_faults
-from loadtest.cluster import redis_server, wait_redis
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 40  # about 28 blocks of 64 bytes
 
@@ -37,12 +36,9 @@ def test_a_failed_first_attempt_does_not_draw_its_prefix_to_that_replica(cluster
     assert int(third.headers["x-kvroute-cached-tokens"]) > 0
 
 
-def test_two_routers_sharing_redis_keep_a_session_on_one_replica_with_least_loaded(cluster, tmp_path):
-    redis = redis_server(log_dir=tmp_path).start()
-    cluster.procs.append(redis)
-    wait_redis(redis)
+def test_two_routers_sharing_redis_keep_a_session_on_one_replica_with_least_loaded(cluster, redis_proc):
     sims = [cluster.sim(*FAST) for _ in range(3)]
-    routers = [cluster.router(sims, "--policy", "least-loaded", "--index", f"redis://127.0.0.1:{redis.port}/0")
+    routers = [cluster.router(sims, "--policy", "least-loaded", "--index", f"redis://127.0.0.1:{redis_proc.port}/0")
                for _ in range(2)]
     placed = {}
     for session in range(4):

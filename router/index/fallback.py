@@ -45,7 +45,7 @@ class FallbackIndex:
         self._down_until = 0.0
         self._failures_in_a_row = 0
         self._background = Background()
-        self._slow_timeout = max(1.0, cfg.timeout_s)  # background calls may wait longer than lookups
+        self._slow_timeout = cfg.background_timeout_s  # background calls may wait longer than lookups
 
     # -- health of the shared index ------------------------------------------------------------
 
