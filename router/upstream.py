@@ -304,7 +304,9 @@ class UpstreamPool:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < self.idle_expiry:
+            # a transport the loop already closed (the replica died) may not have told the protocol yet
+            alive = not conn.closed and conn.transport is not None and not conn.transport.is_closing()
+            if alive and now - conn.idle_since < self.idle_expiry:
                 conn.reused = True
                 return conn
             conn.close()
@@ -328,7 +330,10 @@ class UpstreamPool:
             resp = UpstreamResponse(conn, self)
             conn.response = resp
             assert conn.transport is not None
-            conn.transport.write(payload)
+            try:
+                conn.transport.write(payload)
+            except RuntimeError:  # closed under us between the check and the write (uvloop raises)
+                resp._fail(RemoteClosed("the connection to the replica was closed before the request went out"))
             try:
                 await resp.wait_headers(timeout)
                 return resp
