@@ -31,7 +31,6 @@ import asyncio
 import json
 import random
 import statistics
-import struct
 import sys
 import tempfile
 import time
@@ -115,8 +114,8 @@ def multi_turn(tok: LocalTokenizer, conversations: int, turns: int, system_token
 def bound_hit_rate(prompts: list[list[int]], capacity_blocks: int | None) -> float:
     """Hit rate of one vLLM prefix cache of ``capacity_blocks`` blocks (``None``: infinite) over the
     prompts in order, modelled as the stand-in replica models it (``loadtest.simulator.PrefixCache``)."""
-    cache = PrefixCache(block_size=BLOCK, num_blocks=capacity_blocks or 10**12, bytes_per_token=4)
-    hits = sum(cache.admit(struct.pack(f"<{len(ids)}I", *ids), len(ids)) for ids in prompts)
+    cache = PrefixCache(block_size=BLOCK, num_blocks=capacity_blocks or 10**12)
+    hits = sum(cache.admit(ids) for ids in prompts)
     queries = sum(len(ids) for ids in prompts)
     return hits / queries if queries else 0.0
 

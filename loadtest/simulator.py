@@ -27,13 +27,20 @@ import json
 import math
 import os
 import random
+import struct
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import xxhash
+
+from router.prefix import prompts_of
+from router.tokenizer import LocalTokenizer
+
+from .kv_publisher import KvPublisher
 
 VERSION = "0.32.0"
 FINGERPRINT = "vllm-0.32.0-98d74f34"
@@ -74,49 +81,68 @@ class _Abort(Exception):
 
 
 class PrefixCache:
-    """vLLM's prefix cache in miniature: full blocks of the rendered prompt, chain-hashed, LRU-evicted.
+    """vLLM's prefix cache in miniature: full blocks of the prompt's token ids, chain-hashed, LRU-evicted.
 
     A request hits on its leading cached blocks, never on its last token (``floor((n-1)/B)*B`` at
-    most); afterwards all its full blocks are cached, the root most recently used.
+    most); afterwards all its full blocks are cached, the root most recently used. Block hashes are
+    seeded per process, as vLLM's are. With a publisher, newly cached blocks are announced as
+    ``BlockStored`` (with their parent and token ids) and evicted ones as ``BlockRemoved``.
     """
 
-    def __init__(self, block_size: int, num_blocks: int, bytes_per_token: int) -> None:
+    def __init__(self, block_size: int, num_blocks: int, publisher: "KvPublisher | None" = None,
+                 seed: int | None = None) -> None:
         self.block_size = block_size
-        self.block_bytes = block_size * bytes_per_token
         self.num_blocks = num_blocks
+        self.publisher = publisher
+        self.seed = random.Random(seed).getrandbits(64) if seed is not None else random.getrandbits(64)
         self.blocks: OrderedDict[int, None] = OrderedDict()
 
-    def chain(self, data: bytes) -> list[int]:
-        out, h = [], 0x5EED
-        for i in range(0, len(data) - self.block_bytes + 1, self.block_bytes):
-            h = xxhash.xxh3_64_intdigest(data[i:i + self.block_bytes], seed=h)
+    def chain(self, ids: list[int]) -> list[int]:
+        out, h, b = [], self.seed, self.block_size
+        for i in range(0, len(ids) - b + 1, b):
+            h = xxhash.xxh3_64_intdigest(struct.pack(f"<{b}I", *(t & 0xFFFFFFFF for t in ids[i:i + b])), seed=h)
             out.append(h)
         return out
 
-    def admit(self, data: bytes, prompt_tokens: int) -> int:
+    def admit(self, ids: list[int]) -> int:
         """Look the prompt up and cache it; returns the cached tokens."""
-        chain = self.chain(data)
+        chain = self.chain(ids)
         hit = 0
         for h in chain:
             if h not in self.blocks:
                 break
             hit += 1
-        cached = min(hit * self.block_size, (prompt_tokens - 1) // self.block_size * self.block_size)
+        b = self.block_size
+        cached = min(hit * b, (len(ids) - 1) // b * b)
+        if self.publisher is not None and hit < len(chain):
+            self.publisher.stored(chain[hit:], chain[hit - 1] if hit else None, ids[hit * b:len(chain) * b], b)
         for h in reversed(chain):
             self.blocks[h] = None
             self.blocks.move_to_end(h)
+        evicted = []
         while len(self.blocks) > self.num_blocks:
-            self.blocks.popitem(last=False)
+            evicted.append(self.blocks.popitem(last=False)[0])
+        if evicted and self.publisher is not None:
+            self.publisher.removed(evicted)
         return max(0, cached)
+
+    def clear(self, announce: bool) -> None:
+        self.blocks.clear()
+        if announce and self.publisher is not None:
+            self.publisher.cleared()
 
 
 class VLLMSimulator:
     def __init__(self, model: str, ttft_ms: float = 20.0, itl_ms: float = 5.0, prefill_us_per_token: float = 0.0,
                  max_num_seqs: int = 256, block_size: int = 128, num_gpu_blocks: int = 16384,
                  max_model_len: int = 4096, bytes_per_token: int = 4, api_key: str | None = None,
-                 faults: Faults | None = None, seed: int | None = None, root: str | None = None) -> None:
+                 faults: Faults | None = None, seed: int | None = None, root: str | None = None,
+                 kv_events: KvPublisher | None = None) -> None:
         self.model = model
         self.root = root or f"/models/{model}"  # what /v1/models reports the model was loaded from
+        # with the model's tokenizer in that folder, prompts are its token ids (as vLLM's); without, a
+        # token is --bytes-per-token bytes of the prompt text
+        self.tokenizer = LocalTokenizer(root) if root and (Path(root) / "tokenizer.json").is_file() else None
         self.ttft = ttft_ms / 1e3
         self.itl = itl_ms / 1e3
         self.prefill_per_token = prefill_us_per_token / 1e6
@@ -132,9 +158,11 @@ class VLLMSimulator:
         self.start_time = time.time()
         self.created = int(self.start_time)
         self._slots = asyncio.Semaphore(max_num_seqs) if max_num_seqs else None
-        self.cache = PrefixCache(block_size, num_gpu_blocks, bytes_per_token)
+        self.kv_events = kv_events
+        self.cache = PrefixCache(block_size, num_gpu_blocks, kv_events, seed)
         self._prefill_free_at = 0.0  # prefill is compute-bound: requests' prefills queue behind each other
         self._rng = random.Random(seed)
+        self._background: set[asyncio.Task[None]] = set()
 
     # -- ASGI --------------------------------------------------------------------------------
 
@@ -143,8 +171,12 @@ class VLLMSimulator:
             while True:
                 msg = await receive()
                 if msg["type"] == "lifespan.startup":
+                    if self.kv_events is not None:
+                        await self.kv_events.start()
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
+                    if self.kv_events is not None:
+                        await self.kv_events.stop()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         method, path = scope["method"], scope["path"]
@@ -160,20 +192,78 @@ class VLLMSimulator:
                 if not self._authorized(scope):
                     return await _json(send, 401, {"error": "Unauthorized"})
                 return await _json(send, 200, self.models())
+            if path == "/kv_event_sources":
+                if self.kv_events is None:
+                    return await _json(send, 200, {})
+                return await _json(send, 200, self.kv_events.sources())
             if path == "/sim/state":
-                return await _json(send, 200, {"counters": asdict(self.c), "faults": asdict(self.faults),
-                                               "kv_blocks_in_use": self.kv_blocks_in_use})
+                return await _json(send, 200, self.state())
         elif method == "POST":
             body = await _read_body(receive)
             if path == "/sim/faults":
                 for k, v in json.loads(body or b"{}").items():
-                    setattr(self.faults, k, v)
+                    if k == "kv_drop_batches" and self.kv_events is not None:
+                        self.kv_events.drop_batches = int(v)
+                    elif k == "kv_replay" and self.kv_events is not None:
+                        self.kv_events.replay = bool(v)
+                    else:
+                        setattr(self.faults, k, v)
                 return await _json(send, 200, asdict(self.faults))
+            if path == "/sim/restart":
+                self.restart()
+                return await _json(send, 200, self.state())
+            if path == "/sim/kv_flood":
+                spec = json.loads(body or b"{}")
+                task = asyncio.create_task(self._flood(float(spec.get("blocks_per_s", 10_000)),
+                                                       float(spec.get("seconds", 10))))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+                return await _json(send, 202, {"flooding": spec})
+            if path == "/reset_prefix_cache":
+                self.cache.clear(announce=True)
+                return await _respond(send, 200, b"", [])
             if path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"):
                 if not self._authorized(scope):
                     return await _json(send, 401, {"error": "Unauthorized"})
                 return await self._endpoint(path, scope, body, receive, send)
         await _json(send, 404, {"detail": "Not Found"})
+
+    def state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"counters": asdict(self.c), "faults": asdict(self.faults),
+                               "kv_blocks_in_use": self.kv_blocks_in_use, "cached_blocks": len(self.cache.blocks),
+                               "start_time": self.start_time}
+        if self.kv_events is not None:
+            p = self.kv_events
+            out["kv_events"] = {"next_seq": p.seq, "pending": len(p.pending), "sent": p.sent, "dropped": p.dropped,
+                                "buffered": len(p.buffer),
+                                "drop_batches": p.drop_batches, "replay": p.replay}
+        return out
+
+    async def _flood(self, blocks_per_s: float, seconds: float) -> None:
+        """Cache random prompts at ``blocks_per_s`` blocks a second for ``seconds`` (for event benchmarks):
+        each prompt a new chain of up to 64 blocks, so events carry stores and, once full, evictions."""
+        tick = 0.01
+        per_tick = blocks_per_s * tick
+        owed = 0.0
+        rng = random.Random(0)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while loop.time() - start < seconds:
+            owed += per_tick
+            while owed >= 1:
+                n = int(min(64, owed))
+                self.cache.admit([rng.randrange(1024) for _ in range(n * self.block_size)] + [0])
+                owed -= n
+            await asyncio.sleep(tick - (loop.time() - start) % tick)
+
+    def restart(self) -> None:
+        """As if the process restarted: empty cache (no event: a new process sends none), event numbers from
+        0, a new start time in /metrics."""
+        self.cache.clear(announce=False)
+        if self.kv_events is not None:
+            self.kv_events.restart()
+        self.start_time = time.time()
+        self.c.prefix_queries = self.c.prefix_hits = self.c.prompt_tokens = 0
 
     def _authorized(self, scope: dict[str, Any]) -> bool:
         if not self.api_key:
@@ -248,8 +338,8 @@ class VLLMSimulator:
                     return
 
         watcher = asyncio.create_task(watch())
-        rendered = prompt_text(req, chat).encode()
-        prompt_tokens = self.count_tokens_bytes(rendered)
+        ids = self.prompt_ids(req, chat)
+        prompt_tokens = len(ids)
         blocks = math.ceil((prompt_tokens + max_tokens) / self.block_size)
         self.c.waiting += 1
         self.c.peak_in_flight = max(self.c.peak_in_flight, self.c.running + self.c.waiting)
@@ -263,7 +353,7 @@ class VLLMSimulator:
             self.c.running += 1
             running = True
             self.kv_blocks_in_use += blocks
-            cached = self.cache.admit(rendered, prompt_tokens)
+            cached = self.cache.admit(ids)
             self.c.prompt_tokens += prompt_tokens
             self.c.prefix_queries += prompt_tokens
             self.c.prefix_hits += cached
@@ -396,9 +486,16 @@ class VLLMSimulator:
         return max(1, math.ceil(len(data) / self.bytes_per_token))
 
     def token_ids(self, req: dict[str, Any]) -> list[int]:
-        raw = prompt_text(req, "messages" in req).encode()
-        step = self.bytes_per_token
-        return [int.from_bytes(raw[i:i + step], "little") % 32000 for i in range(0, len(raw), step)] or [0]
+        return self.prompt_ids(req, "messages" in req)
+
+    def prompt_ids(self, req: dict[str, Any], chat: bool) -> list[int]:
+        """The prompt's token ids: the model's tokenizer (chat rendered with its template) if there is one,
+        else one id per --bytes-per-token bytes of the text."""
+        if self.tokenizer is not None:
+            prompts = prompts_of("/v1/chat/completions" if chat else "/v1/completions", req, self.tokenizer)
+            if prompts and isinstance(prompts[0], list) and prompts[0]:
+                return prompts[0]
+        return byte_token_ids(prompt_text(req, chat).encode(), self.bytes_per_token)
 
     # -- metadata ----------------------------------------------------------------------------
 
@@ -477,6 +574,12 @@ def _text_of(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def byte_token_ids(raw: bytes, bytes_per_token: int = 4) -> list[int]:
+    """Without a tokenizer: one token id per ``bytes_per_token`` bytes."""
+    step = bytes_per_token
+    return [int.from_bytes(raw[i:i + step], "little") % 32000 for i in range(0, len(raw), step)] or [0]
+
+
 def prompt_text(req: dict[str, Any], chat: bool) -> str:
     if not chat:
         return _text_of(req.get("prompt", ""))
@@ -523,6 +626,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bytes-per-token", type=int, default=4)
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"), help="require this bearer key, like vllm --api-key")
     p.add_argument("--seed", type=int)
+    p.add_argument("--kv-events", action="store_true", help="publish KV-cache events (ZMQ, as vLLM's "
+                   "--kv-events-config with publisher zmq) and answer /kv_event_sources")
+    p.add_argument("--kv-events-port", type=int, default=0, help="PUB port (default: a free one)")
+    p.add_argument("--kv-replay-port", type=int, default=0, help="replay ROUTER port (default: a free one)")
+    p.add_argument("--no-kv-replay", action="store_true", help="publish without a replay endpoint")
+    p.add_argument("--kv-events-buffer", type=int, default=10_000, help="batches kept for replay (buffer_steps)")
     for name in ("fail_status", "fail_count", "health_status", "die_after_chunks", "exit_after_chunks",
                  "stall_after_chunks"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(Faults(), name))
@@ -537,7 +646,10 @@ def main(argv: list[str] | None = None) -> int:
                         prefill_us_per_token=args.prefill_us_per_token, max_num_seqs=args.max_num_seqs,
                         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                         max_model_len=args.max_model_len, bytes_per_token=args.bytes_per_token,
-                        api_key=args.api_key, faults=faults, seed=args.seed, root=args.root)
+                        api_key=args.api_key, faults=faults, seed=args.seed, root=args.root,
+                        kv_events=KvPublisher(args.host, args.kv_events_port,
+                                              None if args.no_kv_replay else args.kv_replay_port,
+                                              args.kv_events_buffer) if args.kv_events else None)
     import uvicorn
     uvicorn.run(app, host=args.host, port=args.port, loop="auto", http="httptools", log_level="warning",
                 access_log=False, server_header=False, date_header=True, timeout_graceful_shutdown=1)

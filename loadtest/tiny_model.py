@@ -14,6 +14,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 # The corpus: the workloads' words (loadtest/workloads.py) plus digits and prompt punctuation,
 # so frequent words become single tokens and everything else still encodes byte by byte.
@@ -35,12 +36,10 @@ def corpus(seed: int = 0, lines: int = 4000) -> list[str]:
     return out
 
 
-def build(out: Path) -> None:
+def train() -> "Any":
+    """The tokenizer (a ``tokenizers.Tokenizer``), trained on the fixed corpus: the same everywhere."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    import torch
 
-    out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -50,6 +49,27 @@ def build(out: Path) -> None:
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                                        special_tokens=[("<s>", bos)])
+    return tok
+
+
+def write_tokenizer(out: Path) -> Path:
+    """Only the tokenizer and chat template, as the model folder has them (no transformers needed): what
+    a stand-in replica and the router need to key prompts by the tiny model's tokens."""
+    out.mkdir(parents=True, exist_ok=True)
+    train().save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}, indent=2))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return out
+
+
+def build(out: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train()
+    bos = tok.token_to_id("<s>")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    pad_token="</s>", model_max_length=MAX_POSITIONS)
     fast.chat_template = CHAT_TEMPLATE

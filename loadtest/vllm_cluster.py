@@ -11,6 +11,7 @@ Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -55,6 +56,13 @@ def replica(home: Path, port: int | None = None, num_gpu_blocks: int = 64, block
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     return Proc(name, argv, port, env=env, log_path=(log_dir / f"{name}.log") if log_dir else None, group=True)
+
+
+def kv_events_args(port: int | None = None, replay_port: int | None = None) -> tuple[str, ...]:
+    """``--kv-events-config`` publishing KV-cache events over ZMQ, with a replay endpoint, on free ports."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port or free_port()}",
+              "replay_endpoint": f"tcp://*:{replay_port or free_port()}", "topic": "kv"}
+    return ("--kv-events-config", json.dumps(config))
 
 
 def start(procs: list[Proc], timeout: float = 600.0) -> list[Proc]:

@@ -31,6 +31,10 @@ from .events import EventBus
 from .index import PrefixIndex, build_index
 from .index.fallback import FallbackIndex
 from .index.memory import MemoryIndex
+from .index.precise import PreciseIndex
+from .index.resp import Redis
+from .kv_events.feed import EventFeed
+from .kv_events.lease import Lease
 from .keys import PromptKeys
 from .load import HostShare, LoadTable
 from .metrics import Metrics
@@ -65,13 +69,22 @@ class Gateway:
         self.load = LoadTable([r.name for r in config.replicas], self.metrics, share, worker)
         self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.load, self.events,
                                 default_blocks=config.index.default_blocks)
-        index: PrefixIndex | None = None
+        index: PreciseIndex | None = None
         keys: PromptKeys | None = None
+        self.feed: EventFeed | None = None
         if self.policy.uses_prefix:
             keys = PromptKeys(config.prefix, self.events)
-            index = MemoryIndex() if config.index.backend == "memory" else FallbackIndex(
+            base: PrefixIndex = MemoryIndex() if config.index.backend == "memory" else FallbackIndex(
                 build_index(config.index.backend, config.index.namespace, config.index.timeout_s), MemoryIndex(),
                 config.index, self.metrics)
+            index = PreciseIndex(base, config.kv_events.provisional_ttl_s, config.kv_events.slow_medium_weight)
+            if config.kv_events.enabled:
+                lease = None
+                if config.index.backend != "memory":  # one consumer per replica for every router on this Redis
+                    lease = Lease(Redis(config.index.backend, connect_timeout=config.index.background_timeout_s),
+                                  config.index.namespace, config.kv_events.lease_s)
+                self.feed = EventFeed(self.pool, index, keys, config.kv_events, self.metrics, self.events, lease,
+                                      discover_timeout_s=config.health.timeout_s)
         self.admission = Admission(self.policy, self.load, self.pool.views, self.pool.view_of, config.queue,
                                    self.metrics, self.events)
         self.router = Router(self.pool, self.load, self.policy, self.admission,
@@ -217,6 +230,8 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gw.pool.start()
         await gw.router.start()
+        if gw.feed is not None:
+            await gw.feed.start()
         # What exists now lives as long as the process: keep the collector from re-scanning it.
         gc.collect()
         gc.freeze()
@@ -224,6 +239,8 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
         try:
             yield
         finally:
+            if gw.feed is not None:
+                await gw.feed.close()
             await gw.router.close()
             await gw.pool.stop()
 
@@ -286,21 +303,31 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
             "index": gw.router.index.name if gw.router.index is not None else None,
             "prompt_keys": gw.router.keys.describe() if gw.router.keys is not None else None,
             "queue_length": gw.admission.queue_length,
-            "replicas": [gw.pool.describe(r) for r in gw.pool],
+            "replicas": [_describe(r) for r in gw.pool],
         })
+
+    def _describe(r: Any) -> dict[str, Any]:
+        out = gw.pool.describe(r)
+        index = gw.router.index
+        if index is not None:
+            events = gw.feed.describe(r.name) if gw.feed is not None else None
+            out["index"] = {"mode": "precise" if index.is_exact(r.name) else "approximate",
+                            "event_blocks_held": index.held_blocks(r.name),
+                            "events": events}
+        return out
 
     @app.post("/admin/replicas/{name}/drain")
     async def admin_drain(name: str, request: Request) -> Response:
         _admin(request)
         r = _replica(name)
         gw.pool.set_drained(r, True)
-        return JSONResponse(gw.pool.describe(r))
+        return JSONResponse(_describe(r))
 
     @app.post("/admin/replicas/{name}/undrain")
     async def admin_undrain(name: str, request: Request) -> Response:
         _admin(request)
         r = _replica(name)
         gw.pool.set_drained(r, False)
-        return JSONResponse(gw.pool.describe(r))
+        return JSONResponse(_describe(r))
 
     return GatewayApp(app, endpoints)

@@ -75,6 +75,21 @@ class ReplicaConfig(_Model):
                                        "else index.default_blocks")
     prefill_tokens_per_s: float | None = Field(None, gt=0, description="prompt tokens per second; default: the "
                                                "platform's per-device rate x TP x PP")
+    kv_events: str | None = Field(None, description="the replica's KV-cache event publisher (tcp://HOST:PORT); "
+                                  "default: what its /kv_event_sources says; off: none (approximate index)")
+    kv_events_replay: str | None = Field(None, description="its replay endpoint (tcp://HOST:PORT), with kv_events")
+    data_parallel_size: int = Field(1, ge=1, le=64, description="data-parallel ranks behind the URL; with kv_events "
+                                    "each rank publishes on the next port")
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _check_endpoint(cls, v: str | None) -> str | None:
+        if v is None or v == "off":
+            return v
+        parts = urlsplit(v)
+        if parts.scheme not in ("tcp", "ipc") or (parts.scheme == "tcp" and (not parts.hostname or not parts.port)):
+            raise ValueError("must be tcp://HOST:PORT, ipc://PATH or off")
+        return v
 
     @field_validator("url")
     @classmethod
@@ -165,6 +180,22 @@ class PrefixConfig(_Model):
                                        "folder, for models that need their own")
 
 
+class KvEventsConfig(_Model):
+    """The precise index: replicas' KV-cache events (see the README's precise index section)."""
+
+    enabled: bool = Field(True, description="use the KV-cache events of replicas that publish them (their "
+                          "/kv_event_sources, or replicas[].kv_events); others keep the approximate index")
+    provisional_ttl_s: float = Field(2.0, gt=0, description="a routing decision holds the prompt's blocks on the "
+                                     "chosen replica this long unless its events confirm them first")
+    slow_medium_weight: float = Field(0.5, ge=0, le=1, description="how much a block held only on a slower medium "
+                                      "(vLLM's CPU offload) counts as cached, against 1 on the device")
+    silence_s: float = Field(10.0, gt=0, description="a replica that served requests but sent no event batch for this "
+                             "long is reconnected to")
+    replay_timeout_s: float = Field(2.0, gt=0, description="longest wait for each answer of a replay request")
+    lease_s: float = Field(5.0, gt=0, description="with a Redis index, one router consumes each replica's events "
+                           "under a lease this long, renewed at a third of it; another takes over within two")
+
+
 class CacheAwareConfig(_Model):
     """Knobs of the cache-aware cost (see the README's routing section)."""
 
@@ -240,6 +271,7 @@ class RouterConfig(_Model):
     queue: QueueConfig = Field(default_factory=QueueConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
     prefix: PrefixConfig = Field(default_factory=PrefixConfig)
+    kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)

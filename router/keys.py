@@ -69,6 +69,7 @@ class PromptKeys:
         self._seen: set[str] = set(self._by_model)  # models the replicas serve (or configured)
         self._source: dict[str, str] = {m: f"prefix.tokenizers.{m}" for m in self._by_model}
         self._calibration: dict[str, _Calibration] = {}
+        self._searching: set[str] = set()  # models whose tokenizer is being looked for
         self._background = Background()
         if events is not None:
             events.subscribe(self._on_event)
@@ -77,6 +78,10 @@ class PromptKeys:
 
     def tokenizer(self, model: str) -> LocalTokenizer | None:
         return self._by_model.get(model, self._default)
+
+    def settled(self, model: str) -> bool:
+        """How ``model``'s prompts are keyed is decided (its tokenizer was looked for, or configured)."""
+        return model in self._seen and model not in self._searching
 
     def bytes_per_token(self, model: str) -> float:
         c = self._calibration.get(model)
@@ -121,9 +126,16 @@ class PromptKeys:
                 if model not in self._seen:
                     self._seen.add(model)
                     if self.auto and model not in self._by_model:
+                        self._searching.add(model)
                         self._background.spawn(self._find(model, root))
 
     async def _find(self, model: str, root: str | None) -> None:
+        try:
+            await self._search(model, root)
+        finally:
+            self._searching.discard(model)
+
+    async def _search(self, model: str, root: str | None) -> None:
         found = await asyncio.to_thread(find_local, root, model)
         if found is not None:
             folder, where = found

@@ -90,6 +90,27 @@ class Metrics:
         self.index_fallback = Gauge(
             "kvroute_index_fallback", "1 while routing falls back to the local index because Redis failed.",
             registry=r, multiprocess_mode="livemax")
+        self.index_mode = Gauge(
+            "kvroute_index_precise", "1 while the replica's KV-cache events feed the index (precise mode), 0 while "
+            "the index predicts from routing decisions (approximate).", ["replica"], registry=r,
+            multiprocess_mode="livemax")
+        self.kv_events = Counter(
+            "kvroute_kv_events", "KV-cache events applied, by type (other: types the router ignores).",
+            ["replica", "type"], registry=r)
+        self.kv_event_blocks = Counter(
+            "kvroute_kv_event_blocks", "Blocks in applied events: stored, removed, reconfirmed (ancestors of stored "
+            "blocks held again), orphaned (parent never seen: events were missed), unkeyed (model keyed in byte mode).",
+            ["replica", "op"], registry=r)
+        self.kv_event_recoveries = Counter(
+            "kvroute_kv_event_recoveries", "Event stream recoveries: gap (missed batches), replay (recovered them), "
+            "rebuild (could not: the replica's entries were dropped), restart (sequence went back), reconnect "
+            "(silent while serving), bad_message.", ["replica", "kind"], registry=r)
+        self.kv_event_lag = Histogram(
+            "kvroute_kv_event_lag_seconds", "From the replica's batch timestamp to the batch applied to the index.",
+            ["replica"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5), registry=r)
+        self.kv_event_lease = Gauge(
+            "kvroute_kv_event_lease", "1 while this router holds the replica's event lease (it consumes the events "
+            "for every router on the shared index).", ["replica"], registry=r, multiprocess_mode="livemax")
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, bound once: label lookups cost more than the increment.

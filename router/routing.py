@@ -191,9 +191,9 @@ class Router:
                 probe = await index.probe(model, chain, names)
                 if probe.degraded:
                     req.index_fallback = True
-                for name, (blocks, size) in probe.matches.items():
-                    matched[name] += cached_tokens(blocks, block, n_tokens)
-                    held[name] = size
+                for name, m in probe.matches.items():
+                    matched[name] += cached_tokens(m.blocks, block, n_tokens)
+                    held[name] = m.held
             req.cached.update(matched)
             for v in group:
                 req.occupancy[v.name] = min(1.0, held[v.name] / v.kv_blocks)

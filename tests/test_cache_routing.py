@@ -9,7 +9,7 @@ import httpx
 
 from helpers import replicas_view, wait_until
 from loadtest.cluster import wait_redis
-from loadtest.simulator import PrefixCache, prompt_text
+from loadtest.simulator import PrefixCache, byte_token_ids, prompt_text
 from loadtest.workloads import shared_prefix
 from router.replica_metrics import parse_metrics
 
@@ -57,13 +57,12 @@ def measure(cluster, policy, concurrency=4, sim_args=SIM):
 
 def infinite_cache_hit_rate(requests):
     """The best any router can do: the same requests in order against one cache that never evicts."""
-    cache = PrefixCache(block_size=16, num_blocks=10**9, bytes_per_token=4)
+    cache = PrefixCache(block_size=16, num_blocks=10**9)
     hits = queries = 0
     for q in requests:
-        rendered = prompt_text({"messages": q.messages}, chat=True).encode()
-        n = -(-len(rendered) // 4)
-        hits += cache.admit(rendered, n)
-        queries += n
+        ids = byte_token_ids(prompt_text({"messages": q.messages}, chat=True).encode())
+        hits += cache.admit(ids)
+        queries += len(ids)
     return hits / queries
 
 

@@ -1,6 +1,7 @@
 """One contract, both backends: the in-process index and the Redis index (a real redis-server)."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -62,8 +63,10 @@ def test_probe_gives_the_match_and_the_blocks_held_per_replica(run):
         await index.record("m", "a", [1, 2, 3, 4], 100)
         await index.record("m", "a", [7, 8], 100)
         await index.record("m", "b", [1], 100)
-        return ((await index.probe("m", [1, 2, 5], ["a", "b", "c"])).matches,
-                (await index.probe("m", [], ["a"])).matches)
+        def pairs(probe):
+            return {r: (m.blocks, m.held) for r, m in probe.matches.items()}
+        return (pairs(await index.probe("m", [1, 2, 5], ["a", "b", "c"])),
+                pairs(await index.probe("m", [], ["a"])))
     assert run(go) == ({"a": (2, 6), "b": (1, 1), "c": (0, 0)}, {"a": (0, 6)})
 
 
@@ -177,3 +180,75 @@ def test_withdrawing_one_replica_leaves_the_others(run):
         await index.withdraw(receipt)
         return await lookup(index, "m", [1, 2, 3], ["a", "b"])
     assert run(go) == {"a": 0, "b": 3}
+
+
+# -- the exact tier (replicas whose KV-cache events feed the index) ------------------------------
+
+from router.index import CLEAR, GPU, REMOVE, SLOW, STORE  # noqa: E402
+
+
+async def exact(index, chain, replica="a", model="m"):
+    m = (await index.probe(model, chain, [replica], exact={replica})).matches[replica]
+    return m.blocks, m.slow
+
+
+def test_stored_blocks_match_in_order_and_removed_ones_end_the_match(run):
+    async def go(index):
+        await index.apply("m", "a", [(STORE, h, GPU) for h in (1, 2, 3, 4)])
+        before = await exact(index, [1, 2, 3, 4, 9])
+        await index.apply("m", "a", [(REMOVE, 3, GPU)])
+        return before, await exact(index, [1, 2, 3, 4])
+    assert run(go) == ((4, 0), (2, 0))
+
+
+def test_a_block_only_on_the_slower_medium_counts_as_slow_until_the_device_holds_it_too(run):
+    async def go(index):
+        await index.apply("m", "a", [(STORE, 1, GPU), (STORE, 2, SLOW)])
+        slow = await exact(index, [1, 2])
+        await index.apply("m", "a", [(STORE, 2, GPU)])
+        both = await exact(index, [1, 2])
+        await index.apply("m", "a", [(REMOVE, 2, GPU)])
+        return slow, both, await exact(index, [1, 2])
+    assert run(go) == ((2, 1), (2, 0), (2, 1))
+
+
+def test_provisional_entries_match_until_they_expire_unless_an_event_confirms_them(run):
+    async def go(index):
+        now = time.time()
+        await index.provisional("m", "a", [1, 2, 3], now + 0.3)
+        await index.apply("m", "a", [(STORE, 1, GPU)])
+        fresh = await exact(index, [1, 2, 3])
+        await asyncio.sleep(0.4)
+        return fresh, await exact(index, [1, 2, 3])
+    assert run(go) == ((3, 0), (1, 0))
+
+
+def test_clearing_drops_confirmed_blocks_and_keeps_provisional_ones(run):
+    async def go(index):
+        await index.apply("m", "a", [(STORE, 1, GPU), (STORE, 2, GPU)])
+        await index.provisional("m", "b", [1, 2], time.time() + 5)
+        await index.apply("m", "b", [(STORE, 1, GPU), (CLEAR, 0, 0)])
+        await index.apply("m", "a", [(CLEAR, 0, 0)])
+        return await exact(index, [1, 2], "a"), await exact(index, [1], "b"), await exact(index, [2], "b")
+    assert run(go) == ((0, 0), (0, 0), (1, 0))
+
+
+def test_withdrawing_a_decision_takes_back_its_provisional_entries_but_not_confirmed_blocks(run):
+    async def go(index):
+        await index.apply("m", "a", [(STORE, 1, GPU)])
+        receipt = await index.provisional("m", "a", [1, 2, 3], time.time() + 5)
+        await index.apply("m", "a", [(STORE, 2, GPU)])
+        await index.withdraw(receipt)
+        return receipt.kept, await exact(index, [1, 2, 3])
+    assert run(go) == (1, (2, 0))
+
+
+def test_the_exact_and_recorded_tiers_of_a_replica_are_apart_and_forget_drops_both(run):
+    async def go(index):
+        await index.record("m", "a", [1, 2], 100)
+        recorded_only = await exact(index, [1, 2])
+        await index.apply("m", "a", [(STORE, 5, GPU)])
+        plain = await lookup(index, "m", [1, 2], ["a"])
+        await index.forget("a", ["m"])
+        return recorded_only, plain, await exact(index, [5]), await lookup(index, "m", [1, 2], ["a"])
+    assert run(go) == ((0, 0), {"a": 2}, (0, 0), {"a": 0})

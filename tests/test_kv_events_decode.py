@@ -58,7 +58,14 @@ def test_a_map_shaped_batch_and_unknown_fields_are_read():
         ["BlockStored", [1, 2], None, list(range(32)), 16, None, "GPU", None, [None, None], 0, "full_attention"]]})
     batch = decode_payload(5, payload, DecodeStats())
     assert batch == Batch(5, 1.5, (BlockRemoved((7,), "GPU"), BlockStored((1, 2), None, tuple(range(32)), 16, None,
-                                                                             "GPU", None)), 1)
+                                                                             "GPU", None, (None, None))), 1)
+
+
+def test_blocks_whose_hash_covers_a_salt_are_marked_but_a_lora_name_alone_is_not():
+    plain = BlockStored((1,), None, tuple(range(16)), 16, extra_keys=(None,))
+    lora = BlockStored((1,), None, tuple(range(16)), 16, lora_name="ad", extra_keys=(("ad",),))
+    salted = BlockStored((1,), None, tuple(range(16)), 16, extra_keys=(("salt-1",),))
+    assert (plain.salted, lora.salted, salted.salted) == (False, False, True)
 
 
 def test_unknown_event_types_are_counted_by_a_bounded_set_of_names():

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from conftest import Cluster
-from helpers import replicas_view, sse_events, wait_until
+from helpers import replicas_view, run_with_bypass, sse_events, wait_until
 from loadtest import vllm_cluster
 from loadtest.cluster import Proc
 
@@ -36,7 +36,9 @@ def home() -> Path:
 def replicas(home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
     log_dir = tmp_path_factory.mktemp("vllm")
     procs = vllm_cluster.start([vllm_cluster.replica(home, num_gpu_blocks=n, log_dir=log_dir, name=f"vllm-{i}",
-                                                     max_model_len=MAX_MODEL_LEN)
+                                                     max_model_len=MAX_MODEL_LEN,
+                                                     extra=(*vllm_cluster.kv_events_args(), "--enable-prompt-tokens-details"),
+                                                     dev_mode=True)
                                 for i, n in enumerate(BLOCKS)])
     yield procs
     for p in procs:
@@ -160,6 +162,50 @@ def test_with_the_models_tokenizer_predicted_cached_tokens_match_vllms_hits(repl
         hits = sum(vllm_cluster.metrics(p.url)["vllm:prefix_cache_hits_total"] - before[p.url] for p in replicas)
         assert hits > 0, "the requests of a group should have hit vLLM's prefix cache"
         assert abs(predicted - hits) <= 0.05 * hits, (predicted, hits)
+    finally:
+        c.stop_all()
+
+
+def applied_quietly(rt: Proc, replicas: list[Proc], quiet_s: float = 0.2, timeout: float = 5.0) -> None:
+    """Until the router applied no new event batch for ``quiet_s``: what a request straight to a replica
+    stored has reached the index (vLLM publishes a step's events right after the step)."""
+    def seqs() -> list:
+        view = replicas_view(rt)
+        return [[s["last_seq"] for s in view[p.url]["index"]["events"]["sources"]] for p in replicas]
+    deadline = time.monotonic() + timeout
+    last, since = seqs(), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < quiet_s:
+        time.sleep(0.02)
+        now = seqs()
+        if now != last:
+            last, since = now, time.monotonic()
+
+
+def test_precise_index_predicts_vllms_cached_tokens_exactly_while_a_client_bypasses_the_router(replicas, tmp_path):
+    """No configuration: the router finds the events (/kv_event_sources) and the tokenizer (the model's root).
+    30% of the requests go straight to a replica; with the events every routed prediction is exact, without
+    them (the approximate index, same workload shape) it is not."""
+    c = Cluster(tmp_path)
+    precise = c.router(replicas, wait_ready=False)
+    approximate = c.router(replicas, "--set", "kv_events.enabled=false", wait_ready=False)
+    try:
+        for rt in (precise, approximate):
+            rt.wait_http("/ready", timeout=30)
+        wait_until(lambda: all(r["index"]["mode"] == "precise" for r in replicas_view(precise).values()), 30)
+        # the same requests, in the same order, bypassing the same way, from empty caches each time
+        shape = {"n": 8, "turns": 5, "system_words": 240, "user_words": 80, "reply_words": 60}
+        for p in replicas:
+            httpx.post(p.url + "/reset_prefix_cache", timeout=10).raise_for_status()
+        exact = run_with_bypass(precise, replicas, seed=11, settle=lambda: applied_quietly(precise, replicas), **shape)
+        for p in replicas:
+            httpx.post(p.url + "/reset_prefix_cache", timeout=10).raise_for_status()
+        guessed = run_with_bypass(approximate, replicas, seed=11, settle=lambda: time.sleep(0.2), **shape)
+        hits = (sum(a for _, a in exact), sum(a for _, a in guessed))
+        wrong = [(p, a) for p, a in guessed if p != a]
+        print(f"precise: {exact}\napproximate: {guessed}\ncached tokens {hits}, approximate wrong {len(wrong)}")
+        assert hits[0] > 0
+        assert [p for p, _ in exact] == [a for _, a in exact]
+        assert wrong and hits[1] <= hits[0], (hits, guessed)
     finally:
         c.stop_all()
 

@@ -13,14 +13,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Sequence
+from typing import Awaitable, Callable, Collection, Sequence
 
 from ..background import Background
 from ..config import IndexConfig
 from ..metrics import Metrics
-from . import PrefixIndex, Probe, Receipt
+from . import Op, PrefixIndex, Probe, Receipt
 
 log = logging.getLogger("kvroute.index")
+
+
+class SharedIndexDown(ConnectionError):
+    """An update the shared index did not take (the caller may repeat it: updates are idempotent)."""
 
 
 class _Both(Receipt):
@@ -74,19 +78,20 @@ class FallbackIndex:
 
     # -- the contract --------------------------------------------------------------------------
 
-    async def probe(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> Probe:
+    async def probe(self, model: str, chain: Sequence[int], replicas: Sequence[str],
+                    exact: Collection[str] = ()) -> Probe:
         # a prompt shorter than a block matches nothing anywhere: its sizes are not worth a round trip
         if chain:
             if self._usable():
                 try:
                     async with asyncio.timeout(self.cfg.timeout_s):  # no extra task, unlike wait_for
-                        found = await self.shared.probe(model, chain, replicas)
+                        found = await self.shared.probe(model, chain, replicas, exact)
                     self._ok()
                     return found
                 except Exception as e:  # Redis down, slow or confused: route on local knowledge
                     self._failed("lookup", e)
-            return Probe((await self.local.probe(model, chain, replicas)).matches, degraded=True)
-        return await self.local.probe(model, chain, replicas)
+            return Probe((await self.local.probe(model, chain, replicas, exact)).matches, degraded=True)
+        return await self.local.probe(model, chain, replicas, exact)
 
     async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> Receipt | None:
         local = await self.local.record(model, replica, chain, capacity)
@@ -94,15 +99,35 @@ class FallbackIndex:
             return None
         # even while lookups use the local index: other routers need this decision as soon as Redis
         # answers again (a failed record costs one background task, bounded by its timeout)
-        return _Both(local, self._background.spawn(self._record_shared(model, replica, chain, capacity)))
+        return _Both(local, self._background.spawn(
+            self._shared("record", lambda: self.shared.record(model, replica, chain, capacity))))
 
-    async def _record_shared(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> Receipt | None:
+    async def provisional(self, model: str, replica: str, chain: Sequence[int], expires: float) -> Receipt | None:
+        local = await self.local.provisional(model, replica, chain, expires)
+        if local is None:
+            return None
+        return _Both(local, self._background.spawn(
+            self._shared("record", lambda: self.shared.provisional(model, replica, chain, expires))))
+
+    async def apply(self, model: str, replica: str, ops: Sequence[Op]) -> None:
+        """Events go to both; raises :class:`SharedIndexDown` if Redis did not take them (the event
+        consumer then replays the batch once Redis answers)."""
+        await self.local.apply(model, replica, ops)
+        if not self._usable():
+            raise SharedIndexDown("the shared index is down")
         try:
-            return await asyncio.wait_for(self.shared.record(model, replica, chain, capacity), self._slow_timeout)
-        except TimeoutError:  # off the request's path: slow is not down, lookups decide that
-            self.metrics.index_errors.labels("record").inc()
+            await asyncio.wait_for(self.shared.apply(model, replica, ops), self._slow_timeout)
         except Exception as e:
-            self._failed("record", e)
+            self._failed("apply", e)
+            raise SharedIndexDown(str(e) or e.__class__.__name__) from None
+
+    async def _shared(self, op: str, call: "Callable[[], Awaitable[Receipt | None]]") -> Receipt | None:
+        try:
+            return await asyncio.wait_for(call(), self._slow_timeout)
+        except TimeoutError:  # off the request's path: slow is not down, lookups decide that
+            self.metrics.index_errors.labels(op).inc()
+        except Exception as e:
+            self._failed(op, e)
         return None
 
     async def withdraw(self, receipt: Receipt) -> None:

@@ -11,14 +11,20 @@ match, all candidate replicas in one round trip (a Lua script). A record is one 
 it stamps the chain's blocks, root newest, and trims the set to the replica's capacity; a
 withdrawal removes the blocks a record added that still carry its stamps. The chain travels as
 one argument of 8 bytes per block.
+
+The exact tier (replicas that publish KV-cache events) has its own sorted set per (model,
+replica), ``...:x:{replica}``, whose scores carry the meaning of :mod:`router.index`: 1-3 a medium
+mask, anything larger the expiry of a provisional entry. Its lookups walk the chain block by block
+(a replica's own evictions need not leave a prefix), and a batch of events is one script call.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+import time
+from typing import Collection, Sequence
 
-from . import Match, Probe, Receipt
+from . import Match, Op, Probe, Receipt
 from .resp import Redis
 
 
@@ -45,14 +51,88 @@ local function matched(key, chain)
 end
 """
 
-# Per key: the match length and the number of blocks held (ZCARD, O(1)).
-_LOOKUP = _MATCHED + """
+# Exact tier: leading blocks held (confirmed, or provisional and not expired at `now`), and how many
+# of them only on the slower medium (mask without bit 1).
+_MATCHED_EXACT = """
+local function matched_exact(key, chain, now)
+  local n, slow = 0, 0
+  for j = 1, #chain / 8 do
+    local s = redis.call('ZSCORE', key, string.sub(chain, 8 * j - 7, 8 * j))
+    if not s then break end
+    s = tonumber(s)
+    if s >= 4 then
+      if s < now then break end
+    elseif s % 2 == 0 then
+      slow = slow + 1
+    end
+    n = n + 1
+  end
+  return n, slow
+end
+"""
+
+# Per key: the match length, the number of blocks held (ZCARD, O(1)) and the slow blocks of the match.
+# ARGV[2] has one character per key: "x" for the exact tier; ARGV[3] is the time now.
+_LOOKUP = _MATCHED + _MATCHED_EXACT + """
 local out = {}
+local now = tonumber(ARGV[3])
 for i, key in ipairs(KEYS) do
-  out[2 * i - 1] = matched(key, ARGV[1])
-  out[2 * i] = redis.call('ZCARD', key)
+  local n, slow = 0, 0
+  if string.sub(ARGV[2], i, i) == "x" then
+    n, slow = matched_exact(key, ARGV[1], now)
+  else
+    n = matched(key, ARGV[1])
+  end
+  out[3 * i - 2] = n
+  out[3 * i - 1] = redis.call('ZCARD', key)
+  out[3 * i] = slow
 end
 return out
+"""
+
+# Exact tier: provisional entries for the chain's blocks not held, expiring at ARGV[2]; the expired
+# ones go first. Returns the leading blocks held before, and how many entries it added.
+_PROVISIONAL = _MATCHED_EXACT + """
+local now, expires, chain = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+redis.call('ZREMRANGEBYSCORE', KEYS[1], 4, now)
+local kept = matched_exact(KEYS[1], chain, now)
+local added = 0
+for j = kept + 1, #chain / 8 do
+  local member = string.sub(chain, 8 * j - 7, 8 * j)
+  local s = redis.call('ZSCORE', KEYS[1], member)
+  if not s or tonumber(s) >= 4 then
+    redis.call('ZADD', KEYS[1], expires, member)
+    added = added + 1
+  end
+end
+return {kept, added}
+"""
+
+# Exact tier: a replica's events in order, 10 bytes each: op (1 store, 2 remove, 3 clear), medium bit,
+# the block's 8-byte key.
+_APPLY = """
+local ops, key = ARGV[1], KEYS[1]
+for i = 1, #ops, 10 do
+  local op, b = string.byte(ops, i, i + 1)
+  local member = string.sub(ops, i + 2, i + 9)
+  if op == 1 then
+    local s = redis.call('ZSCORE', key, member)
+    s = s and tonumber(s)
+    if s and s < 4 then b = bit.bor(s, b) end
+    redis.call('ZADD', key, b, member)
+  elseif op == 2 then
+    local s = redis.call('ZSCORE', key, member)
+    if s then
+      s = tonumber(s)
+      local left = 0
+      if s < 4 then left = bit.band(s, bit.bnot(b)) end
+      if left > 0 then redis.call('ZADD', key, left, member) else redis.call('ZREM', key, member) end
+    end
+  elseif op == 3 then
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', '(4')
+  end
+end
+return #ops / 10
 """
 
 # Stamps the chain's blocks (root newest) from the model's clock, trims to the capacity, and
@@ -77,14 +157,17 @@ if over > 0 then redis.call('ZPOPMIN', KEYS[1], over) end
 return {kept, top}
 """
 
-# Removes the blocks a record added (past the `kept` it returned) that still carry its stamps.
+# Removes the blocks a record added (past the `kept` it returned) that still carry its stamps; for the
+# exact tier (ARGV[4] = "x") the stamp is the provisional entries' expiry, the same for every block.
 _WITHDRAW = """
 local kept, top, chain = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local removed = 0
 for j = kept + 1, #chain / 8 do
   local member = string.sub(chain, 8 * j - 7, 8 * j)
   local score = redis.call('ZSCORE', KEYS[1], member)
-  if score and tonumber(score) == top - (j - 1) then
+  local stamp = top - (j - 1)
+  if ARGV[4] == "x" then stamp = top end
+  if score and tonumber(score) == stamp then
     redis.call('ZREM', KEYS[1], member)
     removed = removed + 1
   end
@@ -109,9 +192,14 @@ class RedisIndex:
         self._lookup = self.client.script(_LOOKUP)
         self._record = self.client.script(_RECORD)
         self._withdraw = self.client.script(_WITHDRAW)
+        self._provisional = self.client.script(_PROVISIONAL)
+        self._apply = self.client.script(_APPLY)
 
     def key(self, model: str, replica: str) -> str:
         return f"{self.ns}:{{{_tag(model)}}}:r:{replica}"
+
+    def exact_key(self, model: str, replica: str) -> str:
+        return f"{self.ns}:{{{_tag(model)}}}:x:{replica}"
 
     def _clock(self, model: str) -> str:
         return f"{self.ns}:{{{_tag(model)}}}:clock"
@@ -121,12 +209,15 @@ class RedisIndex:
         """The chain as one argument: 8 big-endian bytes per block (far cheaper than one argument each)."""
         return struct.pack(f">{len(chain)}Q", *chain)
 
-    async def probe(self, model: str, chain: Sequence[int], replicas: Sequence[str]) -> Probe:
+    async def probe(self, model: str, chain: Sequence[int], replicas: Sequence[str],
+                    exact: Collection[str] = ()) -> Probe:
         if not replicas:
             return Probe({})
+        keys = [self.exact_key(model, r) if r in exact else self.key(model, r) for r in replicas]
+        tiers = "".join("x" if r in exact else "r" for r in replicas)
         # an empty chain still asks for the sizes: the script then matches nothing
-        out = await self.client.evalsha(self._lookup, [self.key(model, r) for r in replicas], [self._packed(chain)])
-        return Probe({r: Match(out[2 * i], out[2 * i + 1]) for i, r in enumerate(replicas)})
+        out = await self.client.evalsha(self._lookup, keys, [self._packed(chain), tiers, repr(time.time())])
+        return Probe({r: Match(out[3 * i], out[3 * i + 1], out[3 * i + 2]) for i, r in enumerate(replicas)})
 
     async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> Receipt | None:
         if not chain:
@@ -137,15 +228,33 @@ class RedisIndex:
 
     async def withdraw(self, receipt: Receipt) -> None:
         if receipt.kept < len(receipt.chain):
-            await self.client.evalsha(self._withdraw, [self.key(receipt.model, receipt.replica)],
-                                      [receipt.kept, receipt.stamp, self._packed(receipt.chain)])
+            if receipt.exact:
+                await self.client.evalsha(self._withdraw, [self.exact_key(receipt.model, receipt.replica)],
+                                          [receipt.kept, repr(receipt.stamp), self._packed(receipt.chain), "x"])
+            else:
+                await self.client.evalsha(self._withdraw, [self.key(receipt.model, receipt.replica)],
+                                          [receipt.kept, receipt.stamp, self._packed(receipt.chain), "r"])
+
+    async def provisional(self, model: str, replica: str, chain: Sequence[int], expires: float) -> Receipt | None:
+        if not chain:
+            return None
+        kept, added = await self.client.evalsha(self._provisional, [self.exact_key(model, replica)],
+                                                [repr(time.time()), repr(expires), self._packed(chain)])
+        return Receipt(model, replica, chain, kept, expires, exact=True) if added else None
+
+    async def apply(self, model: str, replica: str, ops: Sequence[Op]) -> None:
+        if ops:
+            packed = b"".join([struct.pack(">BBQ", op, bit, h) for op, h, bit in ops])
+            await self.client.evalsha(self._apply, [self.exact_key(model, replica)], [packed])
 
     async def forget(self, replica: str, models: Sequence[str]) -> None:
         if models:
-            await self.client.execute("DEL", *(self.key(m, replica) for m in models))
+            await self.client.execute("DEL", *(k for m in models for k in (self.key(m, replica),
+                                                                          self.exact_key(m, replica))))
 
     async def size(self, model: str, replica: str) -> int:
-        return int(await self.client.execute("ZCARD", self.key(model, replica)))
+        return (int(await self.client.execute("ZCARD", self.key(model, replica)))
+                + int(await self.client.execute("ZCARD", self.exact_key(model, replica))))
 
     async def start(self) -> None:
         """Connect and load the scripts, so that the first lookups pay no set-up (raises if Redis is down)."""

@@ -31,6 +31,22 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = None  # "GPU", or a slower tier ("CPU") with KV offloading
     lora_name: str | None = None
+    # per block, what else vLLM's hash covered (cache_salt, multimodal hashes); None entries when nothing
+    extra_keys: tuple[Any, ...] | None = None
+
+    @property
+    def salted(self) -> bool:
+        """Some block's hash covers more than its tokens and LoRA adapter (a ``cache_salt``, images):
+        the router keys such blocks differently, so they cannot be matched."""
+        if not self.extra_keys:
+            return False
+        for k in self.extra_keys:
+            if k is None:
+                continue
+            items = k if isinstance(k, (list, tuple)) else (k,)
+            if any(x != self.lora_name for x in items):
+                return True
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +64,8 @@ Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 # field order of the array encoding, after the type's name
 _FIELDS: dict[str, tuple[str, ...]] = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                    "extra_keys"),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
@@ -103,10 +120,12 @@ def _event(raw: Any, stats: DecodeStats) -> Event | None:
             raise BadMessage("BlockStored needs token_ids and a block_size")
         parent = fields.get("parent_block_hash")
         lora_id, medium, lora_name = fields.get("lora_id"), fields.get("medium"), fields.get("lora_name")
+        extra = fields.get("extra_keys")
         return BlockStored(_hashes(fields.get("block_hashes")), parent if isinstance(parent, (int, bytes)) else None,
                            tuple(tokens), size, lora_id if isinstance(lora_id, int) else None,
                            medium if isinstance(medium, str) else None,
-                           lora_name if isinstance(lora_name, str) else None)
+                           lora_name if isinstance(lora_name, str) else None,
+                           tuple(extra) if isinstance(extra, (list, tuple)) else None)
     if kind == "BlockRemoved":
         medium = fields.get("medium")
         return BlockRemoved(_hashes(fields.get("block_hashes")), medium if isinstance(medium, str) else None)

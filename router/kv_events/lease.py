@@ -1,0 +1,146 @@
+"""One consumer per replica for every router on a shared (Redis) index.
+
+A router consumes a replica's events only while it holds the replica's lease: a Redis key naming
+it, set only if absent and expiring after ``kv_events.lease_s`` unless renewed (every third of
+that). With each applied batch the holder stores, in the same Redis round trip and only while it
+still holds the lease, the batch's sequence number and the changes to its map from the replica's
+block hashes to the router's keys. When it stops (killed, cut off), the lease expires and another
+router takes it within two lease periods, loads the map and replays from the next sequence number:
+no batch is lost as long as the replica's replay buffer still holds it, and applying a batch twice
+changes nothing.
+
+Keys (one hash tag per replica, so one slot in Redis Cluster): ``NS:events:{REPLICA}:lease``
+(holder id), ``...:seq`` (rank -> last applied sequence number), ``...:map:RANK`` (block hash ->
+entry, msgpack).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from typing import Any, Iterable
+
+import msgspec
+
+from ..index.resp import Redis
+
+# Renew: only the holder extends the lease. KEYS[1] lease; ARGV[1] holder id, ARGV[2] lease ms.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# Save one applied batch: KEYS lease, seq, map; ARGV holder, rank, seq, count of entries n, then n
+# (field, value) pairs, then the fields to delete. Nothing is written by a router that lost the lease.
+_SAVE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+local n = tonumber(ARGV[4])
+local i = 5
+while n > 0 do
+  local upto = math.min(n, 500)
+  local batch = {}
+  for j = 1, upto do
+    batch[#batch + 1] = ARGV[i]; batch[#batch + 1] = ARGV[i + 1]; i = i + 2
+  end
+  redis.call('HSET', KEYS[3], unpack(batch))
+  n = n - upto
+end
+local gone = {}
+while i <= #ARGV do
+  gone[#gone + 1] = ARGV[i]; i = i + 1
+  if #gone >= 500 then redis.call('HDEL', KEYS[3], unpack(gone)); gone = {} end
+end
+if #gone > 0 then redis.call('HDEL', KEYS[3], unpack(gone)) end
+return 1
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+_encode = msgspec.msgpack.encode
+_decode = msgspec.msgpack.decode
+
+
+def router_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+class Lease:
+    def __init__(self, client: Redis, namespace: str, lease_s: float, holder: str | None = None) -> None:
+        self.client = client
+        self.ns = namespace
+        self.ms = max(1, int(lease_s * 1000))
+        self.holder = holder or router_id()
+        self._renew = client.script(_RENEW)
+        self._save = client.script(_SAVE)
+        self._release = client.script(_RELEASE)
+        self._held: set[str] = set()
+
+    def _key(self, replica: str, what: str) -> str:
+        tag = replica.replace("{", "(").replace("}", ")")
+        return f"{self.ns}:events:{{{tag}}}:{what}"
+
+    async def acquire(self, replica: str) -> bool:
+        got = await self.client.execute("SET", self._key(replica, "lease"), self.holder, "NX", "PX", self.ms)
+        if got is not None:
+            self._held.add(replica)
+            return True
+        return False
+
+    async def renew(self, replica: str) -> bool:
+        ok = await self.client.evalsha(self._renew, [self._key(replica, "lease")], [self.holder, self.ms]) == 1
+        if not ok:
+            self._held.discard(replica)
+        return ok
+
+    async def holder_of(self, replica: str) -> str | None:
+        got = await self.client.execute("GET", self._key(replica, "lease"))
+        return got.decode() if isinstance(got, bytes) else got
+
+    async def positions(self, replica: str) -> dict[int, tuple[int, float]]:
+        """Rank -> (sequence number, timestamp) of the last batch the holders applied."""
+        raw = await self.client.execute("HGETALL", self._key(replica, "seq"))
+        out = {}
+        for i in range(0, len(raw or ()), 2):
+            seq, _, ts = raw[i + 1].decode().partition(":")
+            out[int(raw[i])] = (int(seq), float(ts or 0))
+        return out
+
+    async def load_map(self, replica: str, rank: int) -> list[tuple[Any, list[Any]]]:
+        """The stored map of one source: (block hash, [model, key, parent, mask]) pairs."""
+        raw = await self.client.execute("HGETALL", self._key(replica, f"map:{rank}"))
+        return [(_decode(raw[i]), _decode(raw[i + 1])) for i in range(0, len(raw or ()), 2)]
+
+    async def save(self, replica: str, rank: int, seq: int, ts: float, changed: Iterable[tuple[Any, list[Any]]],
+                   gone: Iterable[Any]) -> bool:
+        """Store an applied batch's position and map changes; False if this router no longer holds the lease."""
+        pairs: list[bytes] = []
+        for h, entry in changed:
+            pairs += (_encode(h), _encode(entry))
+        args: list[Any] = [self.holder, rank, f"{seq}:{ts!r}", len(pairs) // 2, *pairs, *(_encode(h) for h in gone)]
+        keys = [self._key(replica, "lease"), self._key(replica, "seq"), self._key(replica, f"map:{rank}")]
+        return await self.client.evalsha(self._save, keys, args) == 1
+
+    async def forget(self, replica: str, ranks: Iterable[int]) -> None:
+        """The replica restarted: its positions and maps mean nothing now."""
+        await self.client.execute("DEL", self._key(replica, "seq"), *(self._key(replica, f"map:{r}") for r in ranks))
+
+    async def close(self) -> None:
+        """Give up every lease held (another router takes over at once) and disconnect."""
+        await self.release_all()
+        await self.client.close()
+
+    async def release_all(self) -> None:
+        for replica in list(self._held):
+            try:
+                await self.client.evalsha(self._release, [self._key(replica, "lease")], [self.holder])
+            except Exception:
+                pass
+        self._held.clear()
