@@ -12,15 +12,22 @@ token counts) through kvroute under each policy:
   one short application system prompt; turn t of every conversation forms round t, rounds in a new
   random order each, one after the other.
 
-Policies: round-robin, least-loaded, cache-aware with the in-process index, cache-aware with the
-Redis index shared by two router processes (clients alternate between them), all with no prompt-key
-configuration (the router finds the model's tokenizer in the folder the replicas report), and
+and each of them again with 30% of the requests sent straight to a random replica (``bypass``: another
+client, a batch job, a router without the shared index), which only the replicas' KV-cache events
+reveal to the router.
+
+The replicas publish KV-cache events (``--kv-events-config``, with a replay endpoint). Policies:
+round-robin, least-loaded, cache-aware with the precise index (the events; nothing configured:
+the router finds the event sources and the model's tokenizer in the folder the replicas report) in
+process and in Redis shared by two router processes (clients alternate between them), cache-aware
+with the approximate index (``kv_events.enabled: false``: the router's own decisions), and
 cache-aware in byte mode (``prefix.tokenizer: none``, bytes per token learned from the replicas'
-answers) to measure its gap. Between runs
-every replica's prefix cache is reset (``/reset_prefix_cache``) and the routers are new.
+answers; events cannot be matched to bytes, so it is approximate too). Between runs every replica's
+prefix cache is reset (``/reset_prefix_cache``) and the routers are new.
 
 The hit rate is delta(``vllm:prefix_cache_hits_total``) / delta(``vllm:prefix_cache_queries_total``)
-summed over the replicas. For the same request sequence (in the order it was sent) the report also
+summed over the replicas (every request, bypassing or not). Predictions are compared, request by
+request, with vLLM's ``usage.prompt_tokens_details.cached_tokens`` of the routed requests. For the same request sequence (in the order it was sent) the report also
 gives the hit rate of one infinite cache and of one LRU cache as large as the whole cluster.
 """
 
@@ -126,10 +133,11 @@ def bound_hit_rate(prompts: list[list[int]], capacity_blocks: int | None) -> flo
 @dataclass
 class Sent:
     messages: list[dict[str, str]]
-    router: int
+    router: int  # -1: sent straight to a replica (bypass)
     replica: str = ""
     predicted: int = 0
     prompt_tokens: int = 0
+    cached: int = 0  # vLLM's usage.prompt_tokens_details.cached_tokens
     ttfb_s: float = 0.0
     total_s: float = 0.0
     ok: bool = False
@@ -151,22 +159,39 @@ class RunResult:
         counts = list(self.requests_by_replica.values())
         return max(counts) / statistics.mean(counts) if counts else 0.0
 
+    @property
+    def routed(self) -> list[Sent]:
+        return [s for s in self.sent if s.router >= 0]
+
+    @property
+    def predicted_ratio(self) -> float:
+        measured = sum(s.cached for s in self.routed)
+        return sum(s.predicted for s in self.routed) / measured if measured else float("nan")
+
+    @property
+    def exact_share(self) -> float:
+        """Routed requests whose predicted cached tokens were vLLM's own figure."""
+        routed = self.routed
+        return sum(1 for s in routed if s.predicted == s.cached) / len(routed) if routed else float("nan")
+
     def latency(self, q: float, attr: str = "ttfb_s") -> float:
         v = sorted(getattr(s, attr) for s in self.sent if s.ok)
         return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))] * 1e3 if v else float("nan")
 
 
 async def drive(routers: list[str], conversations: list[Conversation], clients: int, max_tokens: int,
-                seed: int = 0) -> list[Sent]:
+                seed: int = 0, bypass: float = 0.0, replicas: list[str] | None = None) -> list[Sent]:
     """Send the conversations' turns in rounds, ``clients`` requests at a time.
 
     Round t holds turn t of every conversation that has one; round 0 keeps the workload's order,
     later rounds come in a new random order (seeded) and start once the previous round is done, so
     turn t+1 never overtakes turn t and no policy profits from a fixed arrival pattern (with a
     fixed order, round robin would send every turn of a conversation to one replica whenever the
-    number of conversations is a multiple of the number of replicas).
+    number of conversations is a multiple of the number of replicas). A share ``bypass`` of the
+    requests (the same ones for every policy) goes straight to a random replica instead.
     """
     rng = random.Random(seed)
+    direct = random.Random(seed + 1)
     sent: list[Sent] = []
     rounds = max(len(c.turns) for c in conversations)
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=clients * 2)) as http:
@@ -178,9 +203,14 @@ async def drive(routers: list[str], conversations: list[Conversation], clients: 
             async def worker() -> None:
                 while queue:
                     c = queue.popleft()
-                    s = Sent(conversations[c].turns[t], router=len(sent) % len(routers))
+                    if replicas and direct.random() < bypass:
+                        url = direct.choice(replicas)
+                        s = Sent(conversations[c].turns[t], router=-1, replica=url.split("//")[-1])
+                    else:
+                        s = Sent(conversations[c].turns[t], router=len(sent) % len(routers))
+                        url = routers[s.router]
                     sent.append(s)
-                    await send(http, routers[s.router], s, max_tokens)
+                    await send(http, url, s, max_tokens)
 
             await asyncio.gather(*(worker() for _ in range(clients)))
     return sent
@@ -191,7 +221,7 @@ async def send(http: httpx.AsyncClient, url: str, s: Sent, max_tokens: int) -> N
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        s.replica = r.headers.get("x-kvroute-replica", "")
+        s.replica = r.headers.get("x-kvroute-replica", s.replica)
         s.predicted = int(r.headers.get("x-kvroute-cached-tokens", "0") or 0)
         last = b""
         async for line in r.aiter_lines():
@@ -204,6 +234,7 @@ async def send(http: httpx.AsyncClient, url: str, s: Sent, max_tokens: int) -> N
         if last:
             usage = json.loads(last).get("usage") or {}
             s.prompt_tokens = usage.get("prompt_tokens", 0)
+            s.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
 def counters(replicas: list[str]) -> dict[str, tuple[float, float]]:
@@ -220,16 +251,17 @@ def reset(replicas: list[str]) -> None:
 
 
 async def run_policy(name: str, args: list[str], routers_n: int, replicas: list[str], convs: list[Conversation],
-                     clients: int, max_tokens: int, log_dir: Path) -> RunResult:
+                     clients: int, max_tokens: int, log_dir: Path, bypass: float = 0.0) -> RunResult:
     reset(replicas)
     procs = [router(replicas, *args, "--log-json", log_dir=log_dir, name=f"router-{name}-{i}").start()
              for i in range(routers_n)]
     try:
         for p in procs:
             p.wait_http("/ready", timeout=30)
+        await settled(procs, args)
         before = counters(replicas)
         t0 = time.perf_counter()
-        sent = await drive([p.url for p in procs], convs, clients, max_tokens)
+        sent = await drive([p.url for p in procs], convs, clients, max_tokens, bypass=bypass, replicas=replicas)
         wall = time.perf_counter() - t0
         await asyncio.sleep(0.2)
         after = counters(replicas)
@@ -238,12 +270,28 @@ async def run_policy(name: str, args: list[str], routers_n: int, replicas: list[
             p.stop()
     hits = sum(after[r][0] - before[r][0] for r in after)
     queries = sum(after[r][1] - before[r][1] for r in after)
-    by_replica = {r: sum(1 for s in sent if s.replica == r) for r in after}
+    by_replica = {r: sum(1 for s in sent if s.replica == r and s.router >= 0) for r in after}
     failed = [s for s in sent if not s.ok]
     if failed:
         raise RuntimeError(f"{name}: {len(failed)} of {len(sent)} requests failed")
     return RunResult(name, hits / queries if queries else 0.0, hits, queries, sum(s.predicted for s in sent),
                      by_replica, sent, wall)
+
+
+async def settled(procs: list[Proc], args: list[str]) -> None:
+    """Until every router reports its index mode for every replica as the run expects (precise unless the
+    run turned events off or keys bytes), so no run measures a router still finding its event sources."""
+    want = "approximate" if any(a in ("kv_events.enabled=false", "prefix.tokenizer=none") for a in args) else "precise"
+    if "--policy" in args and args[args.index("--policy") + 1] != "cache-aware":
+        return
+    deadline = time.monotonic() + 60
+    async with httpx.AsyncClient(timeout=5) as http:
+        while time.monotonic() < deadline:
+            views = [(await http.get(p.url + "/admin/replicas")).json()["replicas"] for p in procs]
+            if all(r.get("index", {}).get("mode") == want for v in views for r in v):
+                return
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"the routers' index never became {want}")
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -255,14 +303,14 @@ def table(workload: str, desc: str, results: list[RunResult], infinite: float, c
     lines = [f"### {workload}", "", desc, "",
              f"Bounds for the same request sequence: one infinite cache {infinite:.3f}; one LRU cache of the "
              f"cluster's {sum(replica_blocks)} blocks ({' + '.join(map(str, replica_blocks))}) {cluster:.3f}.", "",
-             "| policy | hit rate (vLLM) | of cluster bound | x round robin | requests per replica | max/mean share "
-             "| predicted / measured cached tokens | TTFB p50 / p99 ms | wall s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| policy | hit rate (vLLM) | of cluster bound | x round robin | routed requests per replica "
+             "| max/mean share | predicted / measured cached tokens | exact predictions | TTFB p50 / p99 ms | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
             f"| {r.policy} | {r.hit_rate:.3f} | {r.hit_rate / cluster:.0%} | {r.hit_rate / rr:.2f}x | "
             f"{' / '.join(str(v) for v in r.requests_by_replica.values())} | {r.max_share:.2f} | "
-            f"{r.predicted / r.hits if r.hits else float('nan'):.3f} | "
+            f"{r.predicted_ratio:.3f} | {r.exact_share:.0%} | "
             f"{r.latency(50):.0f} / {r.latency(99):.0f} | {r.wall_s:.0f} |")
     return lines + [""]
 
@@ -288,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = LocalTokenizer(model)
     log_dir = Path(tempfile.mkdtemp(prefix="kvroute-bench-vllm-"))
     q = args.quick
-    workloads = {
+    workloads: dict[str, tuple[list[Conversation], str]] = {
         "shared-prefix": (
             shared_prefix(tok, 8 if q else 30, 4 if q else 16, 1024, 64, args.seed),
             f"{8 if q else 30} groups x {4 if q else 16} prompts: a 1024-token system prompt per group (8 blocks) "
@@ -299,11 +347,17 @@ def main(argv: list[str] | None = None) -> int:
             "a 128-token user message and resends the previous 128-token assistant reply; round t (turn t of every "
             "conversation) comes in a new random order once round t-1 is done."),
     }
+    for wl in list(workloads):
+        convs, desc = workloads[wl]
+        workloads[f"{wl}, 30% bypass"] = (convs, desc + " 30% of the requests (the same ones in every run) go "
+                                          "straight to a random replica, not through the router.")
     tokenizer: list[str] = []  # the default (prefix.tokenizer: auto) finds the model's folder the replicas report
     knobs = [a for kv in args.set for a in ("--set", kv)]
     started: list[Proc] = [] if args.use else vllm_cluster.start([
         vllm_cluster.replica(home, num_gpu_blocks=args.num_gpu_blocks, log_dir=log_dir, name=f"vllm-{i}",
-                             dev_mode=True) for i in range(3)], timeout=900)  # dev mode: /reset_prefix_cache
+                             dev_mode=True,  # dev mode: /reset_prefix_cache
+                             extra=(*vllm_cluster.kv_events_args(), "--enable-prompt-tokens-details"))
+        for i in range(3)], timeout=900)
     replicas = args.use or [p.url for p in started]
     blocks = [int(vllm_cluster.cache_config(url)["num_gpu_blocks"]) for url in replicas]
     report: list[str] = []
@@ -314,28 +368,33 @@ def main(argv: list[str] | None = None) -> int:
         for wl, (convs, desc) in workloads.items():
             if args.workload and wl not in args.workload:
                 continue
+            ns = "bench-" + "".join(ch for ch in wl if ch.isalnum())
             policies = [
                 ("round-robin", ["--policy", "round-robin", *tokenizer], 1),
                 ("least-loaded", ["--policy", "least-loaded", *tokenizer], 1),
-                ("cache-aware, memory index", ["--policy", "cache-aware", *tokenizer], 1),
-                ("cache-aware, Redis index, 2 routers",
+                ("cache-aware, precise, memory index", ["--policy", "cache-aware", *tokenizer], 1),
+                ("cache-aware, precise, Redis index, 2 routers",
                  ["--policy", "cache-aware", "--index", f"redis://127.0.0.1:{redis.port}/0",
-                  "--set", f"index.namespace=bench-{wl}", *tokenizer], 2),
+                  "--set", f"index.namespace={ns}", *tokenizer], 2),
+                ("cache-aware, approximate, memory index",
+                 ["--policy", "cache-aware", "--set", "kv_events.enabled=false", *tokenizer], 1),
                 ("cache-aware, byte mode (no tokenizer)", ["--policy", "cache-aware", "--set", "prefix.tokenizer=none"],
                  1),
             ]
+            bypass = 0.3 if "bypass" in wl else 0.0
             results = []
             for name, pargs, n in policies:
                 if args.policy and not any(f in name for f in args.policy):
                     continue
                 r = asyncio.run(run_policy(name.split(",")[0].replace(" ", "-"), pargs + knobs, n, replicas, convs,
-                                           args.clients, 4, log_dir))
+                                           args.clients, 4, log_dir, bypass))
                 r.policy = name
                 results.append(r)
                 sys.stderr.write(f"{wl} / {name}: hit rate {r.hit_rate:.3f}, share {r.requests_by_replica}, "
-                                 f"predicted/measured {r.predicted}/{r.hits:.0f}, {r.wall_s:.0f} s\n")
+                                 f"predicted/measured {r.predicted_ratio:.3f}, exact {r.exact_share:.0%}, "
+                                 f"{r.wall_s:.0f} s\n")
             # bounds over the sequence the cache-aware (memory) run sent
-            order = next((r for r in results if r.policy.startswith("cache-aware, memory")), results[0]).sent
+            order = next((r for r in results if r.policy.startswith("cache-aware, precise, memory")), results[0]).sent
             prompts = [tok.encode(tok.render_chat(s.messages), add_special_tokens=False) for s in order]
             assert all(len(p) == s.prompt_tokens for p, s in zip(prompts, order)), "tokenizer disagrees with vLLM"
             infinite = bound_hit_rate(prompts, None)
@@ -345,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
                             cluster, blocks)
             raw[wl] = {"bounds": {"infinite": infinite, "cluster": cluster, "one_replica": one},
                        "runs": [{"policy": r.policy, "hit_rate": r.hit_rate, "hits": r.hits, "queries": r.queries,
-                                 "predicted": r.predicted, "requests_by_replica": r.requests_by_replica,
+                                 "predicted": r.predicted, "predicted_ratio": r.predicted_ratio,
+                                 "exact_share": r.exact_share, "requests_by_replica": r.requests_by_replica,
                                  "ttfb_p50_ms": r.latency(50), "ttfb_p99_ms": r.latency(99), "wall_s": r.wall_s}
                                 for r in results]}
     finally:
@@ -356,9 +416,11 @@ def main(argv: list[str] | None = None) -> int:
             f"Produced by `python -m loadtest.bench_vllm{' --quick' if q else ''} --out loadtest/RESULTS.md` "
             f"on 2 CPU cores: {len(replicas)} vLLM {vllm_version(home)} CPU replicas of the project's tiny Llama, "
             f"with {' / '.join(map(str, blocks))} KV blocks of {BLOCK} tokens, {args.clients} concurrent clients, streaming chat "
-            "requests of 4 output tokens. Hit rates are vLLM's own counters: delta(prefix_cache_hits) / "
-            "delta(prefix_cache_queries) over the three replicas. \"Predicted / measured\" is the sum of kvroute's "
-            "`x-kvroute-cached-tokens` over the sum of vLLM's cache hits.", ""]
+            "requests of 4 output tokens, the replicas publishing KV-cache events. Hit rates are vLLM's own counters: "
+            "delta(prefix_cache_hits) / delta(prefix_cache_queries) over the three replicas, every request counted. "
+            "Over the requests that went through kvroute: \"predicted / measured\" is the sum of kvroute's "
+            "`x-kvroute-cached-tokens` over the sum of vLLM's `cached_tokens`, \"exact predictions\" the share of "
+            "requests where the two were equal, and the share per replica counts only them.", ""]
     text = "\n".join(head + report)
     print(text)
     if args.out:

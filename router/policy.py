@@ -200,10 +200,10 @@ class PredictedTTFTScorer(Scorer):
     """Prefers the replica expected to produce the first token soonest.
 
     cost (seconds) = (uncached prompt tokens + queued prefill that will not fit in its step) / prefill rate
-                   + evict_weight x (uncached tokens beyond the free part of its cache) / prefill rate
+                   + evict_weight x (uncached whole blocks beyond the free part of its cache) / prefill rate
                    + load_weight_s x load / max_num_seqs
                    + kv_weight_s x (KV cache usage above kv_threshold, scaled to 0..1)
-                   + occupancy_weight_s x share of its KV blocks the index holds
+                   + occupancy_weight_s x share of its KV blocks the index holds (if the prompt adds a block)
                    - session_bonus_s if it served this session last
     score = 1 / (1 + cost). Uncached tokens come from the prefix index (``req.cached``). Its
     parameters default to the ``cache_aware`` section of the configuration.
@@ -225,19 +225,21 @@ class PredictedTTFTScorer(Scorer):
         queued = min(pending, max(0, pending + uncached - view.max_num_batched_tokens))
         cost = (uncached + queued) / view.prefill_rate
         occupancy = req.occupancy.get(view.name, 0.0)
-        if cfg.evict_weight and uncached:
+        stored = uncached - uncached % view.block_size  # the whole blocks it adds to the cache (about)
+        if cfg.evict_weight and stored:
             # what does not fit in the free part of its cache pushes out cached prefixes, which their
             # owners will have to prefill again: a small shared prefix should not pull new prompts onto
             # a full replica while others have room
             free = (1.0 - occupancy) * view.kv_blocks * view.block_size
-            cost += cfg.evict_weight * max(0.0, uncached - free) / view.prefill_rate
+            cost += cfg.evict_weight * max(0.0, stored - free) / view.prefill_rate
         cost += cfg.load_weight_s * view.load / view.max_num_seqs
         if view.kv_usage > cfg.kv_threshold:
             # only a nearly full cache delays a new request (vLLM queues or preempts then); below
             # that, a scrape up to an interval old would only steer prefixes away from their cache
             over = (view.kv_usage - cfg.kv_threshold) / (1.0 - cfg.kv_threshold)
             cost += cfg.kv_weight_s * min(1.0, over)
-        cost += cfg.occupancy_weight_s * occupancy
+        if stored:  # a prompt that adds no block to the cache evicts nothing
+            cost += cfg.occupancy_weight_s * occupancy
         if req.session_replica is not None and req.session_replica == view.name:
             cost -= cfg.session_bonus_s
         return max(0.0, cost)

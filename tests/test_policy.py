@@ -98,10 +98,10 @@ def test_cached_prefix_lowers_the_cost_by_its_prefill_time():
 
 def test_eviction_cost_counts_only_what_does_not_fit():
     v = view("a", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100)
-    r = req(prompt=1000, occupancy={"a": 0.5})  # 800 tokens free: 200 of the 1000 evict
+    r = req(prompt=1030, occupancy={"a": 0.5})  # 64 whole blocks (1024 tokens) stored, 800 tokens free: 224 evict
     with_evict = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0)).cost(r, v)
     without = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0, evict_weight=0)).cost(r, v)
-    assert with_evict - without == pytest.approx(0.2)
+    assert with_evict - without == pytest.approx(0.224)
 
 
 def test_queued_prefill_delays_only_what_does_not_fit_in_one_scheduler_step():
@@ -184,6 +184,12 @@ def test_a_small_shared_prefix_does_not_pull_a_new_prompt_onto_a_full_replica():
 
 def test_a_mostly_cached_prompt_stays_on_its_full_replica():
     assert choose_cache_aware(full_and_empty(), 1024, {"full": 768, "empty": 0}, {"full": 1.0, "empty": 0.0}) == "full"
+
+
+def test_a_prompt_shorter_than_a_block_spreads_by_load_whatever_the_caches_hold():
+    views = [view("full", inflight=1, prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100),
+             view("empty", inflight=2, prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100)]
+    assert choose_cache_aware(views, 10, {}, {"full": 1.0, "empty": 0.0}) == "full"
 
 
 def test_a_cached_prefix_wins_while_its_replica_has_room():

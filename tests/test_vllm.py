@@ -237,17 +237,19 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(gatew
             with lock:
                 results.append((sent, started, complete, replica))
 
-    threads = [threading.Thread(target=loop, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(6)]
     for t in threads:
         t.start()
-    wait_until(lambda: replicas_view(gateway)[victim.url]["inflight"] >= 1, timeout=30)
-    victim.kill()
-    killed = time.monotonic()
-    wait_until(lambda: not replicas_view(gateway)[victim.url]["ready"], timeout=10)
-    time.sleep(3.0)
-    stop.set()
-    for t in threads:
-        t.join(60)
+    try:
+        wait_until(lambda: replicas_view(gateway)[victim.url]["inflight"] >= 1, timeout=30)
+        victim.kill()
+        killed = time.monotonic()
+        wait_until(lambda: not replicas_view(gateway)[victim.url]["ready"], timeout=10)
+        time.sleep(3.0)
+    finally:  # the clients stop whatever happened
+        stop.set()
+        for t in threads:
+            t.join(60)
     lost = [(round(s - killed, 2), rep) for s, started, complete, rep in results if not complete and not started]
     assert not lost, f"requests that had not started streaming failed: {lost}"
     after = [r for r in results if r[0] > killed + 0.5]
