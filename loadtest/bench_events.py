@@ -156,7 +156,7 @@ def lag(rate: int, seconds: float, redis_url: str | None, log_dir: Path) -> list
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline:
                     idx = c.get(rt.url + "/admin/replicas").json()["replicas"][0]["index"]
-                    if idx["mode"] == "precise" and (idx["events"] or {}).get("lease_held", backend == "memory"):
+                    if idx["mode"] == "precise" and (backend == "memory" or (idx["events"] or {}).get("lease_held")):
                         break
                     time.sleep(0.1)
                 c.post(sim.url + "/sim/kv_flood", json={"blocks_per_s": rate, "seconds": seconds}).raise_for_status()
