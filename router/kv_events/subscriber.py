@@ -34,6 +34,8 @@ log = logging.getLogger("kvroute.kv_events")
 
 Reset = Literal["rebuild", "restart"]
 _DRAIN = 256  # batches read without yielding to the loop, once one is there
+_MAX_MESSAGE = 64 << 20  # bytes: a batch of 1,000 blocks of 128 tokens is under 1 MiB
+_MAX_REPLAY = 20_000  # batches one replay may return (vLLM keeps 10,000 by default)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class Subscriber:
             sub = self.ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, 100_000)
+            sub.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)  # a larger frame drops the connection, not the router
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             try:
                 sub.connect(self.endpoints.live)
@@ -225,6 +228,7 @@ class Subscriber:
             return None
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
         out: list[Batch] = []
         try:
             sock.connect(endpoint)
@@ -242,5 +246,9 @@ class Subscriber:
                     return out
                 if b.seq >= start:
                     out.append(b)
+                    if len(out) > _MAX_REPLAY:  # an endpoint that never ends its answer
+                        log.warning("KV events of replica %s: the replay endpoint %s sent over %d batches; ignoring "
+                                    "its answer", self.replica, endpoint, _MAX_REPLAY, extra={"replica": self.replica})
+                        return None
         finally:
             sock.close(linger=0)
