@@ -1,0 +1,122 @@
+"""The simulated vLLM engine (loadtest/engine.py): scheduling, KV blocks and the prefix cache, step by step."""
+
+from loadtest.engine import Engine, Request, StepCost
+
+B = 16
+
+
+def engine(**kw):
+    events = {"stored": [], "removed": []}
+    kw.setdefault("block_size", B)
+    e = Engine(stored=lambda h, p, t: events["stored"].append((h, p, t)),
+               removed=lambda h: events["removed"].append(h), seed=1, **kw)
+    return e, events
+
+
+def prompt(tag, n):
+    return [tag * 1000 + i for i in range(n)]
+
+
+def run(e, limit=10_000):
+    for _ in range(limit):
+        if e.idle:
+            return
+        e.step()
+    raise AssertionError("the engine did not drain")
+
+
+def test_a_request_gets_its_first_token_after_the_step_that_finishes_its_prompt_then_one_per_step():
+    e, _ = engine(max_num_batched_tokens=64)
+    r = Request("a", prompt(1, 150), max_tokens=3)
+    e.add(r)
+    steps = []
+    while not e.idle:
+        res = e.step()
+        steps.append((res.prefill_tokens, res.decode_seqs, r.output))
+    # 150 prompt tokens in chunks of 64: three prefill steps, the first token with the last chunk
+    assert steps == [(64, 0, 0), (64, 0, 0), (22, 0, 1), (0, 1, 2), (0, 1, 3)]
+
+
+def test_freed_blocks_are_hit_by_the_next_request_with_the_same_prefix_but_never_its_last_token():
+    e, _ = engine(num_blocks=64)
+    e.add(Request("a", prompt(1, 64), max_tokens=2))
+    run(e)
+    again = Request("b", prompt(1, 64), max_tokens=1)
+    longer = Request("c", prompt(1, 64) + [7] * 20, max_tokens=1)
+    e.add(again)
+    run(e)
+    e.add(longer)
+    run(e)
+    assert again.cached_tokens == 48  # 4 full blocks cached, but the last token is always computed
+    assert longer.cached_tokens == 64
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first_a_prompts_tail_before_its_root():
+    e, events = engine(num_blocks=6)
+    old, new = Request("a", prompt(1, 64), max_tokens=1), Request("b", prompt(2, 64), max_tokens=1)
+    for r in (old, new):  # 4 blocks each: b takes the 2 never used, then a's last two
+        e.add(r)
+        run(e)
+    again_old, again_new = Request("c", prompt(1, 64), max_tokens=1), Request("d", prompt(2, 64), max_tokens=1)
+    e.add(again_new)
+    run(e)
+    e.add(again_old)
+    run(e)
+    assert again_new.cached_tokens == 48
+    # b's blocks evicted a's last two; d's recomputed last block took a's second; a's root remains
+    assert events["removed"][:2] == [old.hashes[3:1:-1], [old.hashes[1]]]
+    assert again_old.cached_tokens == 16
+
+
+def test_a_request_that_needs_a_block_when_none_is_free_preempts_the_newest_running_one():
+    e, _ = engine(num_blocks=10, max_num_batched_tokens=4096)
+    first, second = Request("a", prompt(1, 70), max_tokens=40), Request("b", prompt(2, 70), max_tokens=40)
+    e.add(first)
+    e.step()
+    e.add(second)
+    preempted = []
+    while not e.idle:
+        preempted += e.step().preempted
+    assert preempted and preempted[0] is second  # the newest goes, the oldest keeps running
+    assert first.preemptions == 0 and second.preemptions >= 1
+    assert first.finished_at < second.finished_at
+    assert e.preemptions == len(preempted)
+
+
+def test_step_time_grows_with_the_batch_and_its_context():
+    cost = StepCost(base_s=0.01, prefill_s_per_token=1e-4, decode_s_per_seq=1e-3, context_s_per_token=1e-6)
+    assert cost.time(0, 1, 100) < cost.time(0, 8, 800) < cost.time(512, 8, 800)
+    e, _ = engine(cost=cost)
+    for i in range(8):
+        e.add(Request(str(i), prompt(i + 1, 32), max_tokens=4))
+    prefill = e.step()
+    decode = e.step()
+    assert prefill.prefill_tokens == 8 * 32 and decode.decode_seqs == 8
+    assert prefill.seconds == cost.time(256, 0, 0) and decode.seconds == cost.time(0, 8, 8 * 32)
+
+
+def test_at_most_max_num_seqs_run_and_the_rest_wait_in_arrival_order():
+    e, _ = engine(max_num_seqs=2)
+    reqs = [Request(str(i), prompt(i + 1, 20), max_tokens=2) for i in range(4)]
+    for r in reqs:
+        e.add(r)
+    e.step()
+    assert [r.id for r in e.running] == ["0", "1"] and [r.id for r in e.waiting] == ["2", "3"]
+    while not any(r.id == "2" for r in e.running):
+        e.step()
+    assert [r.id for r in e.running] == ["2", "3"]
+    run(e)
+    assert reqs[2].first_token_at > reqs[1].finished_at - 1e-12
+
+
+def test_stored_blocks_are_announced_with_their_parent_and_tokens_once():
+    e, events = engine(num_blocks=64)
+    shared = prompt(1, 32)
+    a, b = Request("a", shared + prompt(2, 32), max_tokens=1), Request("b", shared + prompt(3, 32), max_tokens=1)
+    e.add(a)
+    run(e)
+    e.add(b)
+    run(e)
+    (ha, pa, ta), (hb, pb, tb) = events["stored"]
+    assert pa is None and len(ha) == 4 and ta == a.prompt
+    assert pb == ha[1] and len(hb) == 2 and tb == b.prompt[32:]  # only b's own blocks, after the shared two
