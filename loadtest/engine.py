@@ -27,6 +27,7 @@ and token ids; ``removed``: evicted ones), so the stand-in can publish them.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import struct
@@ -232,6 +233,14 @@ class Engine:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (the blocks of running requests stay theirs), as vLLM's endpoint does."""
+        for b in self.pool.cached.values():
+            b.hash = None
+        self.pool.cached.clear()
+        for r in self.running:
+            r.offered = len(r.prompt) // self.block_size  # their blocks are no longer announced as cached
+
     # -- one step ------------------------------------------------------------------------------
 
     def _blocks_for(self, req: Request, tokens: int) -> int:
@@ -330,3 +339,56 @@ class Engine:
             self.pool.cache(req.blocks[start:full], req.hashes[start:full], req.hashes[start - 1] if start else None,
                             req.prompt[start * b:full * b], b)
             req.offered = full
+
+
+class EngineLoop:
+    """An :class:`Engine` in real time: steps back to back while it has work, each lasting its modelled time
+    multiplied by ``time_scale`` (above 1 slows the whole replica down, so that a benchmark's router and load
+    generator are never what limits it). Each request's queue gets ``True`` per output token, then ``None``
+    when it is over (finished, or refused because it can never fit in the KV cache)."""
+
+    def __init__(self, engine: Engine, time_scale: float = 1.0) -> None:
+        self.engine = engine
+        self.time_scale = time_scale
+        self._queues: dict[str, asyncio.Queue[bool | None]] = {}
+        self._wake = asyncio.Event()
+
+    def submit(self, req: Request) -> asyncio.Queue[bool | None]:
+        q: asyncio.Queue[bool | None] = asyncio.Queue()
+        req.arrival = self.engine.now
+        self._queues[req.id] = q
+        self.engine.add(req)
+        self._wake.set()
+        return q
+
+    def abort(self, req: Request) -> None:
+        self.engine.abort(req)
+        self._queues.pop(req.id, None)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        e = self.engine
+        while True:
+            if e.idle:
+                self._wake.clear()
+                await self._wake.wait()
+                due = loop.time()
+                continue
+            res = e.step()
+            if not res.seconds and not e.running:  # the head of the queue can never get its blocks
+                req = e.waiting.popleft()
+                q = self._queues.pop(req.id, None)
+                if q is not None:
+                    q.put_nowait(None)
+                continue
+            due = max(due, loop.time() - 0.05) + res.seconds * self.time_scale  # no catching up after a stall
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            for req in res.tokens:
+                q = self._queues.get(req.id)
+                if q is not None:
+                    q.put_nowait(True)
+            for req in res.finished:
+                q = self._queues.pop(req.id, None)
+                if q is not None:
+                    q.put_nowait(None)

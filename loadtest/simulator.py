@@ -33,13 +33,14 @@ import uuid
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import xxhash
 
 from router.prefix import prompts_of
 from router.tokenizer import LocalTokenizer
 
+from .engine import Engine, EngineLoop, Request, StepCost
 from .kv_publisher import KvPublisher
 
 VERSION = "0.32.0"
@@ -78,6 +79,38 @@ class Counters:
 
 class _Abort(Exception):
     pass
+
+
+class _ClientGone:
+    """Cancels the request's task when its client disconnects (vLLM aborts the request then)."""
+
+    def __init__(self, receive: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.gone = False
+        self.done = False
+        self.watcher = asyncio.create_task(self._watch(receive))
+
+    async def _watch(self, receive: Any) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                if not self.done:
+                    self.gone = True
+                    self.task.cancel()
+                return
+
+    def aborted(self) -> bool:
+        """The request ended early because of the client (or a fault), not because the server stops."""
+        if self.gone:
+            self.task.uncancel()
+            return True
+        return not self.task.cancelling()
+
+    def close(self) -> None:
+        self.done = True
+        self.watcher.cancel()
 
 
 class PrefixCache:
@@ -137,7 +170,7 @@ class VLLMSimulator:
                  max_num_seqs: int = 256, block_size: int = 128, num_gpu_blocks: int = 16384,
                  max_model_len: int = 4096, bytes_per_token: int = 4, api_key: str | None = None,
                  faults: Faults | None = None, seed: int | None = None, root: str | None = None,
-                 kv_events: KvPublisher | None = None) -> None:
+                 kv_events: KvPublisher | None = None, engine: Engine | None = None, time_scale: float = 1.0) -> None:
         self.model = model
         self.root = root or f"/models/{model}"  # what /v1/models reports the model was loaded from
         # with the model's tokenizer in that folder, prompts are its token ids (as vLLM's); without, a
@@ -160,6 +193,9 @@ class VLLMSimulator:
         self._slots = asyncio.Semaphore(max_num_seqs) if max_num_seqs else None
         self.kv_events = kv_events
         self.cache = PrefixCache(block_size, num_gpu_blocks, kv_events, seed)
+        # with an engine, it schedules, times and caches every generation request (--engine)
+        self.engine = engine
+        self.engine_loop = EngineLoop(engine, time_scale) if engine is not None else None
         self._prefill_free_at = 0.0  # prefill is compute-bound: requests' prefills queue behind each other
         self._rng = random.Random(seed)
         self._background: set[asyncio.Task[None]] = set()
@@ -173,6 +209,9 @@ class VLLMSimulator:
                 if msg["type"] == "lifespan.startup":
                     if self.kv_events is not None:
                         await self.kv_events.start()
+                    if self.engine_loop is not None:
+                        task = asyncio.create_task(self.engine_loop.run())
+                        self._background.add(task)
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
                     if self.kv_events is not None:
@@ -221,6 +260,8 @@ class VLLMSimulator:
                 return await _json(send, 202, {"flooding": spec})
             if path == "/reset_prefix_cache":
                 self.cache.clear(announce=True)
+                if self.engine is not None:
+                    self.engine.reset_prefix_cache()
                 return await _respond(send, 200, b"", [])
             if path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"):
                 if not self._authorized(scope):
@@ -232,6 +273,12 @@ class VLLMSimulator:
         out: dict[str, Any] = {"counters": asdict(self.c), "faults": asdict(self.faults),
                                "kv_blocks_in_use": self.kv_blocks_in_use, "cached_blocks": len(self.cache.blocks),
                                "start_time": self.start_time}
+        e = self.engine
+        if e is not None:
+            out["cached_blocks"] = len(e.pool.cached)
+            out["kv_blocks_in_use"] = len(e.pool.blocks) - e.pool.num_free
+            out["engine"] = {"running": len(e.running), "waiting": len(e.waiting), "preemptions": e.preemptions,
+                             "prefix_hits": e.prefix_hits, "prefix_queries": e.prefix_queries, "time": e.now}
         if self.kv_events is not None:
             p = self.kv_events
             out["kv_events"] = {"next_seq": p.seq, "pending": len(p.pending), "sent": p.sent, "dropped": p.dropped,
@@ -260,6 +307,8 @@ class VLLMSimulator:
         """As if the process restarted: empty cache (no event: a new process sends none), event numbers from
         0, a new start time in /metrics."""
         self.cache.clear(announce=False)
+        if self.engine is not None:
+            self.engine.reset_prefix_cache()
         if self.kv_events is not None:
             self.kv_events.restart()
         self.start_time = time.time()
@@ -324,20 +373,9 @@ class VLLMSimulator:
     # -- generation --------------------------------------------------------------------------
 
     async def _generate(self, chat: bool, req: dict[str, Any], max_tokens: int, receive: Any, send: Any) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        gone = {"flag": False, "done": False}
-
-        async def watch() -> None:
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    if not gone["done"]:
-                        gone["flag"] = True
-                        task.cancel()
-                    return
-
-        watcher = asyncio.create_task(watch())
+        if self.engine_loop is not None:
+            return await self._generate_engine(chat, req, max_tokens, receive, send)
+        gone = _ClientGone(receive)
         ids = self.prompt_ids(req, chat)
         prompt_tokens = len(ids)
         blocks = math.ceil((prompt_tokens + max_tokens) / self.block_size)
@@ -363,21 +401,13 @@ class VLLMSimulator:
             start = max(loop.time(), self._prefill_free_at)
             self._prefill_free_at = start + self.prefill_per_token * (prompt_tokens - cached)
             await asyncio.sleep(self._prefill_free_at - loop.time() + self.ttft)
-            if req.get("stream"):
-                await self._stream(chat, req, max_tokens, prompt_tokens, cached, send)
-            else:
-                await self._whole(chat, req, max_tokens, prompt_tokens, cached, send)
-            self.c.completed += 1
-        except asyncio.CancelledError:
-            if not gone["flag"]:
+            await self._answer(chat, req, max_tokens, prompt_tokens, cached, send)
+        except (asyncio.CancelledError, _Abort):
+            if not gone.aborted():
                 raise
-            task.uncancel()
-            self.c.aborted += 1
-        except _Abort:
             self.c.aborted += 1
         finally:
-            gone["done"] = True
-            watcher.cancel()
+            gone.close()
             if running:
                 self.c.running -= 1
                 self.kv_blocks_in_use -= blocks
@@ -386,12 +416,58 @@ class VLLMSimulator:
             if holding and self._slots is not None:
                 self._slots.release()
 
+    async def _generate_engine(self, chat: bool, req: dict[str, Any], max_tokens: int, receive: Any,
+                               send: Any) -> None:
+        """The engine schedules the request; each of its steps paces the tokens."""
+        assert self.engine_loop is not None
+        ids = self.prompt_ids(req, chat)
+        r = Request(uuid.uuid4().hex, ids, max_tokens)
+        tokens = self.engine_loop.submit(r)
+        gone = _ClientGone(receive)
+        self.c.peak_in_flight = max(self.c.peak_in_flight, len(self.engine_loop.engine.running)
+                                    + len(self.engine_loop.engine.waiting))
+
+        async def pace(i: int) -> None:
+            if not await tokens.get():
+                raise _Abort()
+
+        try:
+            if not await tokens.get():  # refused: longer than the whole KV cache
+                self.c.failed += 1
+                return await _json(send, 400, _error(
+                    f"The prompt ({len(ids)} tokens) does not fit in the KV cache", "BadRequestError", "messages"
+                    if chat else "prompt", 400))
+            await self._answer(chat, req, max_tokens, len(ids), r.cached_tokens, send, pace)
+        except (asyncio.CancelledError, _Abort):
+            if not gone.aborted():
+                raise
+            self.c.aborted += 1
+        finally:
+            gone.close()
+            self.engine_loop.abort(r)
+
     def _text(self, i: int) -> str:
         return VOCAB[i % len(VOCAB)] if i else VOCAB[0]
 
+    async def _answer(self, chat: bool, req: dict[str, Any], n: int, prompt_tokens: int, cached: int, send: Any,
+                      pace: Callable[[int], Awaitable[None]] | None = None) -> None:
+        if req.get("stream"):
+            await self._stream(chat, req, n, prompt_tokens, cached, send, pace)
+        else:
+            await self._whole(chat, req, n, prompt_tokens, cached, send, pace)
+        self.c.completed += 1
+
+    async def _pace(self, i: int) -> None:
+        """Before output token ``i`` (from 1): the fixed inter-token latency."""
+        await asyncio.sleep(self.itl)
+
     async def _whole(self, chat: bool, req: dict[str, Any], n: int, prompt_tokens: int, cached: int,
-                     send: Any) -> None:
-        await asyncio.sleep(self.itl * max(0, n - 1))
+                     send: Any, pace: Callable[[int], Awaitable[None]] | None = None) -> None:
+        if pace is None:
+            await asyncio.sleep(self.itl * max(0, n - 1))
+        else:
+            for i in range(1, n):
+                await pace(i)
         text = "".join(self._text(i) for i in range(n))
         self.c.generation_tokens += n
         usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n, "completion_tokens": n,
@@ -422,7 +498,8 @@ class VLLMSimulator:
         await _json(send, 200, payload)
 
     async def _stream(self, chat: bool, req: dict[str, Any], n: int, prompt_tokens: int, cached: int,
-                      send: Any) -> None:
+                      send: Any, pace: Callable[[int], Awaitable[None]] | None = None) -> None:
+        pace = pace or self._pace
         f = self.faults
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}" if chat else f"cmpl-{uuid.uuid4().hex[:16]}"
         now = int(time.time())
@@ -448,7 +525,7 @@ class VLLMSimulator:
                         "prompt_token_ids": None, "prompt_text": None})
             for i in range(n):
                 if i:
-                    await asyncio.sleep(self.itl)
+                    await pace(i)
                 last = i == n - 1
                 choice: dict[str, Any] = {"index": 0, "delta": {"content": self._text(i)}, "logprobs": None,
                                           "finish_reason": "length" if last else None}
@@ -461,7 +538,7 @@ class VLLMSimulator:
             head = {"id": rid, "object": "text_completion", "created": now, "model": self.model}
             for i in range(n):
                 if i:
-                    await asyncio.sleep(self.itl)
+                    await pace(i)
                 last = i == n - 1
                 self.c.generation_tokens += 1
                 await emit({**head, "choices": [{"index": 0, "text": self._text(i), "logprobs": None,
@@ -513,31 +590,40 @@ class VLLMSimulator:
         lab = f'engine="0",model_name="{self.model}"'
         c = self.c
         usage = min(1.0, self.kv_blocks_in_use / self.num_gpu_blocks) if self.num_gpu_blocks else 0.0
+        running, waiting, queries, hits = c.running, c.waiting, c.prefix_queries, c.prefix_hits
+        prompt, generation, preemptions = c.prompt_tokens, c.generation_tokens, 0
+        e = self.engine
+        if e is not None:
+            running, waiting, usage = len(e.running), len(e.waiting), e.pool.usage
+            queries, hits, prompt, preemptions = e.prefix_queries, e.prefix_hits, e.prompt_tokens, e.preemptions
         lines = [
             "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
             "# TYPE process_start_time_seconds gauge",
             f"process_start_time_seconds {self.start_time:.2f}",
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
             "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{lab}}} {float(c.running)}",
+            f"vllm:num_requests_running{{{lab}}} {float(running)}",
             "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
             "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{{{lab}}} {float(c.waiting)}",
+            f"vllm:num_requests_waiting{{{lab}}} {float(waiting)}",
             "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
             "# TYPE vllm:kv_cache_usage_perc gauge",
             f"vllm:kv_cache_usage_perc{{{lab}}} {usage}",
             "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.",
             "# TYPE vllm:prefix_cache_queries_total counter",
-            f"vllm:prefix_cache_queries_total{{{lab}}} {float(c.prefix_queries)}",
+            f"vllm:prefix_cache_queries_total{{{lab}}} {float(queries)}",
             "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.",
             "# TYPE vllm:prefix_cache_hits_total counter",
-            f"vllm:prefix_cache_hits_total{{{lab}}} {float(c.prefix_hits)}",
+            f"vllm:prefix_cache_hits_total{{{lab}}} {float(hits)}",
             "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
             "# TYPE vllm:prompt_tokens_total counter",
-            f"vllm:prompt_tokens_total{{{lab}}} {float(c.prompt_tokens)}",
+            f"vllm:prompt_tokens_total{{{lab}}} {float(prompt)}",
             "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
             "# TYPE vllm:generation_tokens_total counter",
-            f"vllm:generation_tokens_total{{{lab}}} {float(c.generation_tokens)}",
+            f"vllm:generation_tokens_total{{{lab}}} {float(generation)}",
+            "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
+            "# TYPE vllm:num_preemptions_total counter",
+            f"vllm:num_preemptions_total{{{lab}}} {float(preemptions)}",
             "# HELP vllm:request_success_total Count of successfully processed requests.",
             "# TYPE vllm:request_success_total counter",
         ]
@@ -632,6 +718,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-replay-port", type=int, default=0, help="replay ROUTER port (default: a free one)")
     p.add_argument("--no-kv-replay", action="store_true", help="publish without a replay endpoint")
     p.add_argument("--kv-events-buffer", type=int, default=10_000, help="batches kept for replay (buffer_steps)")
+    e = p.add_argument_group("engine", "with --engine, a modelled vLLM engine schedules, times and caches the "
+                             "requests (loadtest/engine.py); --ttft-ms and --itl-ms do not apply")
+    e.add_argument("--engine", action="store_true", help="queue, batch, allocate KV blocks and preempt like vLLM")
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens one engine step takes")
+    e.add_argument("--step-base-ms", type=float, default=5.0, help="fixed time of an engine step")
+    e.add_argument("--step-prefill-us-per-token", type=float, default=10.0, help="step time per prefill token")
+    e.add_argument("--step-decode-us-per-seq", type=float, default=200.0, help="step time per decoding sequence")
+    e.add_argument("--step-context-ns-per-token", type=float, default=10.0,
+                   help="step time per token of the decoding sequences' context")
+    e.add_argument("--time-scale", type=float, default=1.0, help="real seconds per modelled second (above 1: slower)")
     for name in ("fail_status", "fail_count", "health_status", "die_after_chunks", "exit_after_chunks",
                  "stall_after_chunks"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(Faults(), name))
@@ -642,14 +738,21 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     faults = Faults(**{k: getattr(args, k) for k in asdict(Faults())})
+    publisher = KvPublisher(args.host, args.kv_events_port, None if args.no_kv_replay else args.kv_replay_port,
+                            args.kv_events_buffer) if args.kv_events else None
+    engine = None
+    if args.engine:
+        cost = StepCost(args.step_base_ms / 1e3, args.step_prefill_us_per_token / 1e6,
+                        args.step_decode_us_per_seq / 1e6, args.step_context_ns_per_token / 1e9)
+        engine = Engine(args.block_size, args.num_gpu_blocks, args.max_num_seqs, args.max_num_batched_tokens, cost,
+                        stored=(lambda h, parent, t: publisher.stored(h, parent, t, args.block_size)) if publisher else None,
+                        removed=publisher.removed if publisher else None, seed=args.seed)
     app = VLLMSimulator(args.model, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
                         prefill_us_per_token=args.prefill_us_per_token, max_num_seqs=args.max_num_seqs,
                         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                         max_model_len=args.max_model_len, bytes_per_token=args.bytes_per_token,
                         api_key=args.api_key, faults=faults, seed=args.seed, root=args.root,
-                        kv_events=KvPublisher(args.host, args.kv_events_port,
-                                              None if args.no_kv_replay else args.kv_replay_port,
-                                              args.kv_events_buffer) if args.kv_events else None)
+                        kv_events=publisher, engine=engine, time_scale=args.time_scale)
     import uvicorn
     uvicorn.run(app, host=args.host, port=args.port, loop="auto", http="httptools", log_level="warning",
                 access_log=False, server_header=False, date_header=True, timeout_graceful_shutdown=1)

@@ -120,3 +120,51 @@ def test_stored_blocks_are_announced_with_their_parent_and_tokens_once():
     (ha, pa, ta), (hb, pb, tb) = events["stored"]
     assert pa is None and len(ha) == 4 and ta == a.prompt
     assert pb == ha[1] and len(hb) == 2 and tb == b.prompt[32:]  # only b's own blocks, after the shared two
+
+
+# -- the stand-in replica with the engine (python -m loadtest.simulator --engine) -------------------
+
+import asyncio  # noqa: E402
+import time  # noqa: E402
+
+import httpx  # noqa: E402
+
+from helpers import cached, chat, predicted, replicas_view, wait_until  # noqa: E402
+
+
+def test_the_stand_in_with_an_engine_makes_requests_past_max_num_seqs_wait_for_a_slot(cluster):
+    sim = cluster.sim("--engine", "--max-num-seqs", "2", "--step-base-ms", "5", "--block-size", "16")
+
+    async def one(client, i):
+        body = {"model": "tiny", "prompt": f"request {i} " * 8, "max_tokens": 20, "stream": True}
+        t0 = time.perf_counter()
+        first = None
+        async with client.stream("POST", sim.url + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and first is None:
+                    first = time.perf_counter() - t0
+        return first
+
+    async def main():
+        async with httpx.AsyncClient(timeout=30) as client:
+            return sorted(await asyncio.gather(*(one(client, i) for i in range(6))))
+
+    ttft = asyncio.run(main())
+    # two run at once, 20 steps of at least 5 ms each: the last pair waits for two pairs ahead of it
+    assert ttft[4] - ttft[1] > 0.15, ttft
+
+
+def test_a_router_predicts_an_engine_replicas_cache_exactly_from_its_events(cluster, tmp_path):
+    from loadtest.tiny_model import write_tokenizer
+    root = str(write_tokenizer(tmp_path / "tiny"))
+    sims = [cluster.sim("--engine", "--root", root, "--block-size", "16", "--num-gpu-blocks", "128", "--kv-events")
+            for _ in range(2)]
+    rt = cluster.router(sims)
+    wait_until(lambda: all(r["index"]["mode"] == "precise" for r in replicas_view(rt).values()), 10)
+    system = "alpha bravo charlie delta echo foxtrot golf hotel " * 12
+    pairs = []
+    with httpx.Client(timeout=30) as c:
+        for i in range(12):
+            r = chat(c, rt.url, [{"role": "system", "content": system}, {"role": "user", "content": f"question {i} " * 6}])
+            pairs.append((predicted(r), cached(r)))
+    assert sum(a for _, a in pairs) > 0 and [p for p, _ in pairs] == [a for _, a in pairs], pairs
