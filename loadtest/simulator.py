@@ -26,14 +26,16 @@ import asyncio
 import json
 import math
 import os
+import contextlib
 import random
+import signal
 import struct
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 import xxhash
 
@@ -42,6 +44,7 @@ from router.tokenizer import LocalTokenizer
 
 from .engine import Engine, EngineLoop, Request, StepCost
 from .kv_publisher import KvPublisher
+from .profiles import PROFILES
 
 VERSION = "0.32.0"
 FINGERPRINT = "vllm-0.32.0-98d74f34"
@@ -699,7 +702,8 @@ async def _json(send: Any, status: int, obj: Any) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.simulator", description="vLLM stand-in for tests and demos")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=9001)
+    p.add_argument("--port", "--base-port", type=int, default=9001, help="port (of the first replica)")
+    p.add_argument("--replicas", type=int, default=1, help="replicas served by this process, on consecutive ports")
     p.add_argument("--model", default="tiny", help="served model name")
     p.add_argument("--root", help="the model's root reported in /v1/models (default /models/MODEL)")
     p.add_argument("--ttft-ms", type=float, default=20.0, help="time to first token, fixed part")
@@ -721,6 +725,8 @@ def parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine", "with --engine, a modelled vLLM engine schedules, times and caches the "
                              "requests (loadtest/engine.py); --ttft-ms and --itl-ms do not apply")
     e.add_argument("--engine", action="store_true", help="queue, batch, allocate KV blocks and preempt like vLLM")
+    e.add_argument("--profile", choices=sorted(PROFILES), help="a platform's KV cache and step times "
+                   "(loadtest/profiles.py); implies --engine; flags given with it win")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens one engine step takes")
     e.add_argument("--step-base-ms", type=float, default=5.0, help="fixed time of an engine step")
     e.add_argument("--step-prefill-us-per-token", type=float, default=10.0, help="step time per prefill token")
@@ -736,9 +742,50 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    known, _ = p.parse_known_args(argv)
+    if known.profile:
+        prof = PROFILES[known.profile]
+        c = prof.cost
+        p.set_defaults(engine=True, block_size=prof.block_size, num_gpu_blocks=prof.num_gpu_blocks,
+                       max_num_seqs=prof.max_num_seqs, max_num_batched_tokens=prof.max_num_batched_tokens,
+                       step_base_ms=c.base_s * 1e3, step_prefill_us_per_token=c.prefill_s_per_token * 1e6,
+                       step_decode_us_per_seq=c.decode_s_per_seq * 1e6,
+                       step_context_ns_per_token=c.context_s_per_token * 1e9)
+    args = p.parse_args(argv)
+    apps = [build(args, i) for i in range(args.replicas)]
+    import uvicorn
+
+    if len(apps) == 1:
+        uvicorn.run(apps[0], host=args.host, port=args.port, loop="auto", http="httptools", log_level="warning",
+                    access_log=False, server_header=False, date_header=True, timeout_graceful_shutdown=1)
+        return 0
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:  # one handler for all of them, below
+            yield
+
+    servers = [Server(uvicorn.Config(app, host=args.host, port=args.port + i, loop="auto", http="httptools",
+                                     log_level="warning", access_log=False, server_header=False, date_header=True,
+                                     timeout_graceful_shutdown=1)) for i, app in enumerate(apps)]
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: [setattr(s, "should_exit", True) for s in servers])
+        await asyncio.gather(*(s.serve() for s in servers))
+
+    asyncio.run(serve())
+    return 0
+
+
+def build(args: argparse.Namespace, index: int = 0) -> VLLMSimulator:
+    """Replica ``index`` of the command line's: its own port, event ports, engine and seed."""
     faults = Faults(**{k: getattr(args, k) for k in asdict(Faults())})
-    publisher = KvPublisher(args.host, args.kv_events_port, None if args.no_kv_replay else args.kv_replay_port,
+    seed = None if args.seed is None else args.seed + index
+    publisher = KvPublisher(args.host, args.kv_events_port + index if args.kv_events_port else 0,
+                            None if args.no_kv_replay else (args.kv_replay_port + index if args.kv_replay_port else 0),
                             args.kv_events_buffer) if args.kv_events else None
     engine = None
     if args.engine:
@@ -746,17 +793,13 @@ def main(argv: list[str] | None = None) -> int:
                         args.step_decode_us_per_seq / 1e6, args.step_context_ns_per_token / 1e9)
         engine = Engine(args.block_size, args.num_gpu_blocks, args.max_num_seqs, args.max_num_batched_tokens, cost,
                         stored=(lambda h, parent, t: publisher.stored(h, parent, t, args.block_size)) if publisher else None,
-                        removed=publisher.removed if publisher else None, seed=args.seed)
-    app = VLLMSimulator(args.model, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
-                        prefill_us_per_token=args.prefill_us_per_token, max_num_seqs=args.max_num_seqs,
-                        block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-                        max_model_len=args.max_model_len, bytes_per_token=args.bytes_per_token,
-                        api_key=args.api_key, faults=faults, seed=args.seed, root=args.root,
-                        kv_events=publisher, engine=engine, time_scale=args.time_scale)
-    import uvicorn
-    uvicorn.run(app, host=args.host, port=args.port, loop="auto", http="httptools", log_level="warning",
-                access_log=False, server_header=False, date_header=True, timeout_graceful_shutdown=1)
-    return 0
+                        removed=publisher.removed if publisher else None, seed=seed)
+    return VLLMSimulator(args.model, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
+                         prefill_us_per_token=args.prefill_us_per_token, max_num_seqs=args.max_num_seqs,
+                         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+                         max_model_len=args.max_model_len, bytes_per_token=args.bytes_per_token,
+                         api_key=args.api_key, faults=faults, seed=seed, root=args.root,
+                         kv_events=publisher, engine=engine, time_scale=args.time_scale)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """The simulated vLLM engine (loadtest/engine.py): scheduling, KV blocks and the prefix cache, step by step."""
 
+import pytest
+
 from loadtest.engine import Engine, Request, StepCost
 
 B = 16
@@ -168,3 +170,60 @@ def test_a_router_predicts_an_engine_replicas_cache_exactly_from_its_events(clus
             r = chat(c, rt.url, [{"role": "system", "content": system}, {"role": "user", "content": f"question {i} " * 6}])
             pairs.append((predicted(r), cached(r)))
     assert sum(a for _, a in pairs) > 0 and [p for p, _ in pairs] == [a for _, a in pairs], pairs
+
+
+# -- platform profiles ------------------------------------------------------------------------------
+
+
+def test_profiles_are_derived_from_the_model_and_the_devices():
+    from loadtest.profiles import GAUDI2, LLAMA_70B, PROFILES, PVC_TILE, derive
+    g2 = PROFILES["gaudi2-tp8"]
+    assert LLAMA_70B.kv_bytes_per_token == 80 * 2 * 8 * 128 * 2
+    # 8 x 96 GB at 0.9, less 141 GB of weights and a 5% reserve, in blocks of 128 tokens of 320 KiB each
+    assert g2.num_gpu_blocks == int((8 * 96e9 * 0.85 - 141.2e9) // (327_680 * 128))
+    assert derive("x", LLAMA_70B, GAUDI2, 4, 128).num_gpu_blocks < g2.num_gpu_blocks
+    assert PROFILES["gaudi3-tp8"].prefill_tokens_per_s > g2.prefill_tokens_per_s
+    with pytest.raises(ValueError, match="does not fit"):
+        derive("x", LLAMA_70B, PVC_TILE, 1, 64)
+
+
+def test_the_stand_in_takes_a_profile_and_reports_its_cache(cluster):
+    from loadtest.profiles import PROFILES
+    sim = cluster.sim("--profile", "gaudi2-tp8")
+    metrics = httpx.get(sim.url + "/metrics", timeout=5).text
+    p = PROFILES["gaudi2-tp8"]
+    assert 'block_size="128"' in metrics and f'num_gpu_blocks="{p.num_gpu_blocks}"' in metrics
+
+
+def consecutive_free_ports(n):
+    import socket
+    for _ in range(50):
+        base = 20000 + __import__("random").randrange(30000)
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def test_one_process_serves_several_replicas_on_consecutive_ports_behind_a_router(cluster):
+    base = consecutive_free_ports(3)
+    host = cluster.sim("--replicas", "3", "--profile", "aurora-pvc-tp1", "--time-scale", "0.1", port=base)
+    urls = [f"http://127.0.0.1:{base + i}" for i in range(3)]
+    for u in urls:
+        httpx.get(u + "/health", timeout=5).raise_for_status()
+    rt = cluster.router(urls)
+    with httpx.Client(timeout=30) as c:
+        seen = {c.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": f"distinct prompt {i}",
+                                                          "max_tokens": 2}).headers["x-kvroute-replica"]
+                for i in range(12)}
+    assert seen == {f"127.0.0.1:{base + i}" for i in range(3)}
+    assert host.popen.poll() is None
