@@ -1,0 +1,384 @@
+"""A load generator for OpenAI-compatible endpoints: open loop at given rates, or closed loop.
+
+    python -m loadtest.load --target http://127.0.0.1:8000 --rates 2,4,8 --requests 200 \\
+        --workload shared-prefix --groups 8 --prompts-per-group 16 --system-tokens 1024 --question-tokens 64 \\
+        --output-tokens 64 [--replicas URL,URL,...] [--out DIR]
+
+Open loop (default): requests start at Poisson arrival times at each offered rate (requests/s),
+whatever the answers do, so queueing shows as it would with independent users. ``--closed-loop
+--concurrency C`` keeps C requests in flight instead. The request sequence is seeded: every target
+gets the same prompts in the same order.
+
+Workloads, each with the parameters of the tool it comes from, so that results compare:
+
+- ``shared-prefix`` (inference-perf's ``shared_prefix``): groups x prompts per group, each prompt a
+  group's system prompt and its own question; groups interleaved;
+- ``generated-shared-prefix`` (SGLang's ``generated-shared-prefix``): the same shape, SGLang's defaults;
+- ``multi-turn``: conversations whose every turn resends the history plus a new message, with a think
+  time between a turn's answer and the next turn;
+- ``prefix-repetition`` (vLLM's ``prefix_repetition``): a few prefixes, each prompt one of them plus
+  its own suffix.
+
+Lengths are in tokens of the stand-in replica's byte mode (4 bytes per token: three letters and a
+space); against a real model they are approximate. Reported per rate: time to first token
+p50/p90/p99, inter-token latency p50/p90, end-to-end latency p50/p90, output tokens/s, requests/s
+achieved, errors, each replica's share of the requests (``x-kvroute-replica``), and with
+``--replicas`` the prefix-cache hit rate by the replicas' own counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+SYLLABLES = [a + b + c for a in "bcdfgklmnprstvz" for b in "aeiou" for c in "bdgklmnprstx"]
+
+
+def words(rng: random.Random, tokens: int) -> str:
+    """``tokens`` tokens of the stand-in's byte mode: three letters and a space each."""
+    return "".join(rng.choice(SYLLABLES) + " " for _ in range(tokens))
+
+
+@dataclass
+class Turn:
+    messages: list[dict[str, str]]
+    max_tokens: int
+    conversation: int = -1  # turns of one conversation go in order, ``think_s`` after the previous answer
+    think_s: float = 0.0
+
+
+def shared_prefix(groups: int, prompts_per_group: int, system_tokens: int, question_tokens: int,
+                  output_tokens: int, seed: int = 0) -> list[Turn]:
+    rng = random.Random(seed)
+    systems = [words(rng, system_tokens) for _ in range(groups)]
+    out = []
+    for _ in range(prompts_per_group):
+        order = list(range(groups))
+        rng.shuffle(order)
+        for g in order:
+            out.append(Turn([{"role": "system", "content": systems[g]},
+                             {"role": "user", "content": words(rng, question_tokens)}], output_tokens))
+    return out
+
+
+def multi_turn(conversations: int, turns: int, system_tokens: int, user_tokens: int, output_tokens: int,
+               think_s: float, seed: int = 0) -> list[Turn]:
+    rng = random.Random(seed)
+    system = words(rng, system_tokens)
+    out = []
+    for c in range(conversations):
+        history = [{"role": "system", "content": system}]
+        for _ in range(turns):
+            history.append({"role": "user", "content": words(rng, user_tokens)})
+            out.append(Turn(list(history), output_tokens, conversation=c, think_s=think_s))
+            history.append({"role": "assistant", "content": words(rng, output_tokens)})
+    return out
+
+
+def prefix_repetition(prompts: int, prefixes: int, prefix_tokens: int, suffix_tokens: int, output_tokens: int,
+                      seed: int = 0) -> list[Turn]:
+    rng = random.Random(seed)
+    heads = [words(rng, prefix_tokens) for _ in range(prefixes)]
+    return [Turn([{"role": "user", "content": rng.choice(heads) + words(rng, suffix_tokens)}], output_tokens)
+            for _ in range(prompts)]
+
+
+# -- one request ------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    sent_at: float
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: float | None = None
+    output_tokens: int = 0
+    status: int = 0
+    error: str | None = None
+    replica: str = ""
+
+
+async def send(client: httpx.AsyncClient, target: str, model: str, turn: Turn, started: float) -> Result:
+    body = {"model": model, "messages": turn.messages, "max_tokens": turn.max_tokens, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    res = Result(sent_at=time.perf_counter() - started)
+    t0 = time.perf_counter()
+    last = t0
+    try:
+        async with client.stream("POST", target + "/v1/chat/completions", json=body) as r:
+            res.status = r.status_code
+            res.replica = r.headers.get("x-kvroute-replica", "")
+            if r.status_code != 200:
+                res.error = (await r.aread()).decode(errors="replace")[:200]
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = str(chunk.get("error"))[:200]
+                    continue
+                choices = chunk.get("choices") or []
+                if choices and (choices[0].get("delta") or {}).get("content"):
+                    now = time.perf_counter()
+                    if res.ttft_s is None:
+                        res.ttft_s = now - t0
+                    else:
+                        res.itl_s.append(now - last)
+                    last = now
+                usage = chunk.get("usage")
+                if usage:
+                    res.output_tokens = usage.get("completion_tokens", 0)
+        res.e2e_s = time.perf_counter() - t0
+    except httpx.HTTPError as e:
+        res.error = e.__class__.__name__
+    return res
+
+
+# -- a run at one rate ------------------------------------------------------------------------
+
+
+def arrivals(rate: float, n: int, seed: int) -> Iterator[float]:
+    rng = random.Random(seed)
+    t = 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        yield t
+
+
+class Progress:
+    def __init__(self, label: str, total: int, stream: Any = sys.stderr) -> None:
+        self.label, self.total, self.done, self.stream = label, total, 0, stream
+        self.shown = -1
+
+    def tick(self) -> None:
+        self.done += 1
+        pct = 100 * self.done // self.total
+        if pct != self.shown and self.stream.isatty() or self.done == self.total:
+            self.shown = pct
+            bar = "#" * (pct // 4)
+            self.stream.write(f"\r{self.label} [{bar:<25}] {self.done}/{self.total}")
+            if self.done == self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+
+
+async def run_open(target: str, model: str, turns: list[Turn], rate: float, seed: int,
+                   client: httpx.AsyncClient, label: str) -> tuple[list[Result], float]:
+    """Each turn starts at its Poisson arrival time; a conversation's next turn waits for the previous
+    answer plus the think time (then it is not earlier than its arrival either)."""
+    started = time.perf_counter()
+    progress = Progress(label, len(turns))
+    previous: dict[int, asyncio.Task[Result]] = {}
+
+    async def one(turn: Turn, at: float, before: asyncio.Task[Result] | None) -> Result:
+        if before is not None:
+            await before
+            await asyncio.sleep(turn.think_s)
+        delay = at - (time.perf_counter() - started)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        res = await send(client, target, model, turn, started)
+        progress.tick()
+        return res
+
+    tasks = []
+    for turn, at in zip(turns, arrivals(rate, len(turns), seed)):
+        task = asyncio.create_task(one(turn, at, previous.get(turn.conversation) if turn.conversation >= 0 else None))
+        if turn.conversation >= 0:
+            previous[turn.conversation] = task
+        tasks.append(task)
+    results = list(await asyncio.gather(*tasks))
+    return results, time.perf_counter() - started
+
+
+async def run_closed(target: str, model: str, turns: list[Turn], concurrency: int,
+                     client: httpx.AsyncClient, label: str) -> tuple[list[Result], float]:
+    started = time.perf_counter()
+    progress = Progress(label, len(turns))
+    queue = list(reversed(turns))
+    results: list[Result] = []
+
+    async def worker() -> None:
+        while queue:
+            turn = queue.pop()
+            results.append(await send(client, target, model, turn, started))
+            progress.tick()
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results, time.perf_counter() - started
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))]
+
+
+def counters(replicas: list[str]) -> dict[str, tuple[float, float]]:
+    out = {}
+    for url in replicas:
+        hits = queries = 0.0
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total"):
+                hits += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:prefix_cache_queries_total"):
+                queries += float(line.rsplit(" ", 1)[1])
+        out[url] = (hits, queries)
+    return out
+
+
+@dataclass
+class Summary:
+    offered_rate: float | None
+    concurrency: int | None
+    requests: int
+    errors: int
+    achieved_rps: float
+    output_tokens_per_s: float
+    ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p90_ms: float | None
+    e2e_p50_ms: float | None
+    e2e_p90_ms: float | None
+    hit_rate: float | None
+    share: dict[str, int]
+    max_mean_share: float | None
+
+
+def summarize(results: list[Result], wall: float, rate: float | None, concurrency: int | None,
+              hit_rate: float | None) -> Summary:
+    ok = [r for r in results if r.error is None and r.status == 200]
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(v * 1e3, 2)
+
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    itl = [x for r in ok for x in r.itl_s]
+    e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+    share: dict[str, int] = {}
+    for r in results:
+        if r.replica:
+            share[r.replica] = share.get(r.replica, 0) + 1
+    return Summary(rate, concurrency, len(results), len(results) - len(ok), round(len(ok) / wall, 3),
+                   round(sum(r.output_tokens for r in ok) / wall, 1), ms(pct(ttft, 50)), ms(pct(ttft, 90)),
+                   ms(pct(ttft, 99)), ms(pct(itl, 50)), ms(pct(itl, 90)), ms(pct(e2e, 50)), ms(pct(e2e, 90)),
+                   None if hit_rate is None else round(hit_rate, 4), dict(sorted(share.items())),
+                   round(max(share.values()) / statistics.mean(share.values()), 3) if share else None)
+
+
+def markdown(title: str, rows: list[Summary]) -> str:
+    head = ("| offered | requests/s | output tokens/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 ms | "
+            "end-to-end p50 / p90 ms | hit rate | max/mean share | errors |")
+    lines = [f"### {title}", "", head, "|" + "---|" * 9]
+
+    def f(v: Any) -> str:
+        return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+    for s in rows:
+        offered = f"{s.offered_rate:g} req/s" if s.offered_rate is not None else f"{s.concurrency} in flight"
+        lines.append(f"| {offered} | {f(s.achieved_rps)} | {f(s.output_tokens_per_s)} | {f(s.ttft_p50_ms)} / "
+                     f"{f(s.ttft_p90_ms)} / {f(s.ttft_p99_ms)} | {f(s.itl_p50_ms)} / {f(s.itl_p90_ms)} | "
+                     f"{f(s.e2e_p50_ms)} / {f(s.e2e_p90_ms)} | {f(s.hit_rate)} | {f(s.max_mean_share)} | {s.errors} |")
+    return "\n".join(lines) + "\n"
+
+
+def build_workload(args: argparse.Namespace) -> list[Turn]:
+    w = args.workload
+    if w == "shared-prefix":
+        return shared_prefix(args.groups, args.prompts_per_group, args.system_tokens, args.question_tokens,
+                             args.output_tokens, args.seed)
+    if w == "generated-shared-prefix":  # SGLang's defaults unless given
+        return shared_prefix(args.groups or 64, args.prompts_per_group or 16, args.system_tokens or 2048,
+                             args.question_tokens or 128, args.output_tokens or 256, args.seed)
+    if w == "multi-turn":
+        return multi_turn(args.conversations, args.turns, args.system_tokens, args.question_tokens,
+                          args.output_tokens, args.think_s, args.seed)
+    return prefix_repetition(args.requests or 256, args.prefixes, args.system_tokens, args.question_tokens,
+                             args.output_tokens, args.seed)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    turns = build_workload(args)
+    if args.requests:
+        turns = turns[:args.requests]
+    replicas = [u for u in (args.replicas or "").split(",") if u]
+    rows: list[Summary] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits) as client:
+        plans: list[tuple[float | None, int | None]] = (
+            [(None, args.concurrency)] if args.closed_loop else [(float(r), None) for r in args.rates.split(",")])
+        for rate, concurrency in plans:
+            before = counters(replicas) if replicas else {}
+            label = f"{rate:g} req/s" if rate is not None else f"{concurrency} in flight"
+            if rate is not None:
+                results, wall = await run_open(args.target, args.model, turns, rate, args.seed, client, label)
+            else:
+                assert concurrency is not None
+                results, wall = await run_closed(args.target, args.model, turns, concurrency, client, label)
+            hit = None
+            if replicas:
+                after = counters(replicas)
+                hits = sum(after[u][0] - before[u][0] for u in replicas)
+                queries = sum(after[u][1] - before[u][1] for u in replicas)
+                hit = hits / queries if queries else None
+            rows.append(summarize(results, wall, rate, concurrency, hit))
+    return {"workload": args.workload, "target": args.target, "rows": [asdict(r) for r in rows],
+            "markdown": markdown(f"{args.workload} against {args.target}", rows)}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest.load", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="base URL of the router (or of a replica)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--replicas", help="comma-separated replica URLs: the hit rate from their /metrics")
+    p.add_argument("--rates", default="1,2,4", help="offered loads in requests/s, one run each (open loop)")
+    p.add_argument("--closed-loop", action="store_true", help="keep --concurrency requests in flight instead")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=int, help="requests per run (default: the whole workload)")
+    p.add_argument("--workload", default="shared-prefix",
+                   choices=["shared-prefix", "generated-shared-prefix", "multi-turn", "prefix-repetition"])
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--prompts-per-group", type=int, default=16)
+    p.add_argument("--system-tokens", type=int, default=1024, help="system prompt (or prefix) length")
+    p.add_argument("--question-tokens", type=int, default=64, help="question (user message, suffix) length")
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--think-s", type=float, default=1.0, help="multi-turn: pause between an answer and the next turn")
+    p.add_argument("--prefixes", type=int, default=8, help="prefix-repetition: distinct prefixes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--out", type=Path, help="write results.json and results.md here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    out = asyncio.run(run(args))
+    print(out["markdown"])
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(out, indent=2))
+        (args.out / "results.md").write_text(out["markdown"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
