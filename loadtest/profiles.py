@@ -108,8 +108,19 @@ def derive(name: str, model: ModelShape, device: Device, tp: int, block_size: in
     return Profile(name, block_size, blocks, max_num_seqs, max_num_batched_tokens, cost, source)
 
 
+# The project's tiny Llama on this machine's real vLLM CPU replicas (deploy/setup-vllm.sh), measured with
+# `python -m loadtest.calibrate measure` on 2026-11-30: prefill 22.9 us per token (a least-squares line
+# through 128- to 2048-token prompts), a decode step 1.27 ms with one sequence and 1.56 ms with four (vLLM's
+# own decode-time histogram). 104 blocks of 128 tokens and 16 sequences, as the real-vLLM benchmarks run it;
+# max_num_batched_tokens 2048 is assumed.
+CPU = Profile("cpu", block_size=128, num_gpu_blocks=104, max_num_seqs=16, max_num_batched_tokens=2048,
+              cost=StepCost(base_s=1.173e-3, prefill_s_per_token=22.9e-6, decode_s_per_seq=0.097e-3,
+                            context_s_per_token=0.0),
+              source="the tiny Llama on this machine's vLLM 0.32 CPU replicas, measured by loadtest/calibrate.py")
+
 PROFILES: dict[str, Profile] = {
     p.name: p for p in (
+        CPU,
         derive("gaudi2-tp8", LLAMA_70B, GAUDI2, 8, 128),
         derive("gaudi3-tp8", LLAMA_70B, GAUDI3, 8, 128),
         derive("aurora-pvc-tp1", LLAMA_8B, PVC_TILE, 1, 64),
