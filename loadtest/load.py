@@ -229,16 +229,19 @@ def pct(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))]
 
 
-def counters(replicas: list[str]) -> dict[str, tuple[float, float]]:
+def counters(replicas: list[str]) -> dict[str, tuple[float, float, float]]:
+    """Per replica: prefix-cache hits, queries and finished requests, by its own /metrics."""
     out = {}
     for url in replicas:
-        hits = queries = 0.0
+        hits = queries = done = 0.0
         for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
             if line.startswith("vllm:prefix_cache_hits_total"):
                 hits += float(line.rsplit(" ", 1)[1])
             elif line.startswith("vllm:prefix_cache_queries_total"):
                 queries += float(line.rsplit(" ", 1)[1])
-        out[url] = (hits, queries)
+            elif line.startswith("vllm:request_success_total"):
+                done += float(line.rsplit(" ", 1)[1])
+        out[url] = (hits, queries, done)
     return out
 
 
@@ -263,7 +266,8 @@ class Summary:
 
 
 def summarize(results: list[Result], wall: float, rate: float | None, concurrency: int | None,
-              hit_rate: float | None) -> Summary:
+              hit_rate: float | None, served: dict[str, int] | None = None) -> Summary:
+    """``served``: requests per replica by the replicas' counters (any router); else ``x-kvroute-replica``."""
     ok = [r for r in results if r.error is None and r.status == 200]
 
     def ms(v: float | None) -> float | None:
@@ -272,10 +276,11 @@ def summarize(results: list[Result], wall: float, rate: float | None, concurrenc
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     itl = [x for r in ok for x in r.itl_s]
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
-    share: dict[str, int] = {}
-    for r in results:
-        if r.replica:
-            share[r.replica] = share.get(r.replica, 0) + 1
+    share: dict[str, int] = dict(served or {})
+    if not share:
+        for r in results:
+            if r.replica:
+                share[r.replica] = share.get(r.replica, 0) + 1
     return Summary(rate, concurrency, len(results), len(results) - len(ok), round(len(ok) / wall, 3),
                    round(sum(r.output_tokens for r in ok) / wall, 1), ms(pct(ttft, 50)), ms(pct(ttft, 90)),
                    ms(pct(ttft, 99)), ms(pct(itl, 50)), ms(pct(itl, 90)), ms(pct(e2e, 50)), ms(pct(e2e, 90)),
@@ -333,12 +338,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 assert concurrency is not None
                 results, wall = await run_closed(args.target, args.model, turns, concurrency, client, label)
             hit = None
+            served = None
             if replicas:
                 after = counters(replicas)
                 hits = sum(after[u][0] - before[u][0] for u in replicas)
                 queries = sum(after[u][1] - before[u][1] for u in replicas)
                 hit = hits / queries if queries else None
-            rows.append(summarize(results, wall, rate, concurrency, hit))
+                served = {u.split("//")[-1]: int(after[u][2] - before[u][2]) for u in replicas}
+            rows.append(summarize(results, wall, rate, concurrency, hit, served))
     return {"workload": args.workload, "target": args.target, "rows": [asdict(r) for r in rows],
             "markdown": markdown(f"{args.workload} against {args.target}", rows)}
 

@@ -132,6 +132,7 @@ import time  # noqa: E402
 import httpx  # noqa: E402
 
 from helpers import cached, chat, predicted, replicas_view, wait_until  # noqa: E402
+from loadtest.cluster import free_ports  # noqa: E402
 
 
 def test_the_stand_in_with_an_engine_makes_requests_past_max_num_seqs_wait_for_a_slot(cluster):
@@ -195,32 +196,14 @@ def test_the_stand_in_takes_a_profile_and_reports_its_cache(cluster):
     assert 'block_size="128"' in metrics and f'num_gpu_blocks="{p.num_gpu_blocks}"' in metrics
 
 
-def consecutive_free_ports(n):
-    import socket
-    for _ in range(50):
-        base = 20000 + __import__("random").randrange(30000)
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
-
-
 def test_one_process_serves_several_replicas_on_consecutive_ports_behind_a_router(cluster):
-    base = consecutive_free_ports(3)
+    base = free_ports(3)
     host = cluster.sim("--replicas", "3", "--profile", "aurora-pvc-tp1", "--time-scale", "0.1", port=base)
     urls = [f"http://127.0.0.1:{base + i}" for i in range(3)]
     for u in urls:
         httpx.get(u + "/health", timeout=5).raise_for_status()
-    rt = cluster.router(urls)
+    rt = cluster.router(urls, "--policy", "round-robin")
+    wait_until(lambda: all(r["ready"] for r in replicas_view(rt).values()), 10)
     with httpx.Client(timeout=30) as c:
         seen = {c.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": f"distinct prompt {i}",
                                                           "max_tokens": 2}).headers["x-kvroute-replica"]
