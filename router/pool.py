@@ -174,13 +174,22 @@ class ReplicaPool:
             upstream = UpstreamPool(cfg.url, proxy.connect_timeout_s, proxy.upstream_idle_s)
             self.replicas[cfg.name] = Replica(cfg, upstream, metrics, default_blocks)
         self._tasks: list[asyncio.Task[None]] = []
+        self._checked: set[str] = set()  # replicas whose first health check is done
+        self._first_round = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Start checking every replica, and wait (at most a health-check timeout) for the first round: a
+        router, or a new worker beside running ones, does not answer 503 to replicas it has not asked yet."""
         for r in self.replicas.values():
             self._tasks.append(asyncio.create_task(self._health_loop(r), name=f"health:{r.name}"))
             self._tasks.append(asyncio.create_task(self._metrics_loop(r), name=f"metrics:{r.name}"))
+        if self.replicas:
+            try:
+                await asyncio.wait_for(self._first_round.wait(), self.health.timeout_s)
+            except TimeoutError:
+                pass
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -343,6 +352,10 @@ class ReplicaPool:
                 await self.check(r)
             except Exception:  # keep checking whatever happens
                 log.exception("health check of %s crashed", r.name)
+            if r.name not in self._checked:
+                self._checked.add(r.name)
+                if len(self._checked) == len(self.replicas):
+                    self._first_round.set()
             await asyncio.sleep(pause)
 
     async def _metrics_loop(self, r: Replica) -> None:
