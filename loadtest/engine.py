@@ -30,12 +30,11 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-import xxhash
+from router.prefix import chain_tokens
 
 
 @dataclass(frozen=True)
@@ -211,11 +210,7 @@ class Engine:
 
     def chain(self, prompt: list[int]) -> list[int]:
         """The chain hashes of the prompt's full blocks (seeded per engine, as vLLM's are per process)."""
-        out, h, b = [], self.seed, self.block_size
-        for i in range(0, len(prompt) - b + 1, b):
-            h = xxhash.xxh3_64_intdigest(struct.pack(f"<{b}I", *(t & 0xFFFFFFFF for t in prompt[i:i + b])), seed=h)
-            out.append(h)
-        return out
+        return chain_tokens(prompt, self.block_size, self.seed)
 
     def add(self, req: Request) -> None:
         req.hashes = self.chain(req.prompt)

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
-import contextlib
 import random
 import signal
-import struct
 import time
 import uuid
 from collections import OrderedDict
@@ -37,9 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
 
-import xxhash
-
-from router.prefix import prompts_of
+from router.prefix import chain_tokens, prompts_of
 from router.tokenizer import LocalTokenizer
 
 from .engine import Engine, EngineLoop, Request, StepCost
@@ -134,11 +131,7 @@ class PrefixCache:
         self.blocks: OrderedDict[int, None] = OrderedDict()
 
     def chain(self, ids: list[int]) -> list[int]:
-        out, h, b = [], self.seed, self.block_size
-        for i in range(0, len(ids) - b + 1, b):
-            h = xxhash.xxh3_64_intdigest(struct.pack(f"<{b}I", *(t & 0xFFFFFFFF for t in ids[i:i + b])), seed=h)
-            out.append(h)
-        return out
+        return chain_tokens(ids, self.block_size, self.seed)
 
     def admit(self, ids: list[int]) -> int:
         """Look the prompt up and cache it; returns the cached tokens."""
