@@ -41,6 +41,8 @@ from typing import Any, Iterator
 
 import httpx
 
+from . import vllm_cluster
+
 SYLLABLES = [a + b + c for a in "bcdfgklmnprstvz" for b in "aeiou" for c in "bdgklmnprstx"]
 
 
@@ -233,15 +235,9 @@ def counters(replicas: list[str]) -> dict[str, tuple[float, float, float]]:
     """Per replica: prefix-cache hits, queries and finished requests, by its own /metrics."""
     out = {}
     for url in replicas:
-        hits = queries = done = 0.0
-        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("vllm:prefix_cache_hits_total"):
-                hits += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("vllm:prefix_cache_queries_total"):
-                queries += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("vllm:request_success_total"):
-                done += float(line.rsplit(" ", 1)[1])
-        out[url] = (hits, queries, done)
+        m = vllm_cluster.metrics(url)
+        out[url] = (m.get("vllm:prefix_cache_hits_total", 0.0), m.get("vllm:prefix_cache_queries_total", 0.0),
+                    m.get("vllm:request_success_total", 0.0))
     return out
 
 
