@@ -82,15 +82,28 @@ class _Abort(Exception):
 
 
 class _ClientGone:
-    """Cancels the request's task when its client disconnects (vLLM aborts the request then)."""
+    """Around a generation: cancels it when its client disconnects (vLLM aborts the request then), and
+    counts a request ended early by the client or a fault as aborted instead of letting that propagate."""
 
-    def __init__(self, receive: Any) -> None:
+    def __init__(self, receive: Any, counters: Counters) -> None:
         task = asyncio.current_task()
         assert task is not None
         self.task = task
+        self.counters = counters
         self.gone = False
         self.done = False
         self.watcher = asyncio.create_task(self._watch(receive))
+
+    def __enter__(self) -> "_ClientGone":
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        self.done = True
+        self.watcher.cancel()
+        if kind is not None and issubclass(kind, (asyncio.CancelledError, _Abort)) and self._aborted():
+            self.counters.aborted += 1
+            return True
+        return False
 
     async def _watch(self, receive: Any) -> None:
         while True:
@@ -101,16 +114,12 @@ class _ClientGone:
                     self.task.cancel()
                 return
 
-    def aborted(self) -> bool:
+    def _aborted(self) -> bool:
         """The request ended early because of the client (or a fault), not because the server stops."""
         if self.gone:
             self.task.uncancel()
             return True
         return not self.task.cancelling()
-
-    def close(self) -> None:
-        self.done = True
-        self.watcher.cancel()
 
 
 class PrefixCache:
@@ -371,7 +380,6 @@ class VLLMSimulator:
     async def _generate(self, chat: bool, req: dict[str, Any], max_tokens: int, receive: Any, send: Any) -> None:
         if self.engine_loop is not None:
             return await self._generate_engine(chat, req, max_tokens, receive, send)
-        gone = _ClientGone(receive)
         ids = self.prompt_ids(req, chat)
         prompt_tokens = len(ids)
         blocks = math.ceil((prompt_tokens + max_tokens) / self.block_size)
@@ -380,30 +388,26 @@ class VLLMSimulator:
         holding = False
         running = False
         try:
-            if self._slots is not None:
-                await self._slots.acquire()
-                holding = True
-            self.c.waiting -= 1
-            self.c.running += 1
-            running = True
-            self.kv_blocks_in_use += blocks
-            cached = self.cache.admit(ids)
-            self.c.prompt_tokens += prompt_tokens
-            self.c.prefix_queries += prompt_tokens
-            self.c.prefix_hits += cached
-            if self.faults.hang:
-                await asyncio.Event().wait()
-            loop = asyncio.get_running_loop()
-            start = max(loop.time(), self._prefill_free_at)
-            self._prefill_free_at = start + self.prefill_per_token * (prompt_tokens - cached)
-            await asyncio.sleep(self._prefill_free_at - loop.time() + self.ttft)
-            await self._answer(chat, req, max_tokens, prompt_tokens, cached, send)
-        except (asyncio.CancelledError, _Abort):
-            if not gone.aborted():
-                raise
-            self.c.aborted += 1
+            with _ClientGone(receive, self.c):
+                if self._slots is not None:
+                    await self._slots.acquire()
+                    holding = True
+                self.c.waiting -= 1
+                self.c.running += 1
+                running = True
+                self.kv_blocks_in_use += blocks
+                cached = self.cache.admit(ids)
+                self.c.prompt_tokens += prompt_tokens
+                self.c.prefix_queries += prompt_tokens
+                self.c.prefix_hits += cached
+                if self.faults.hang:
+                    await asyncio.Event().wait()
+                loop = asyncio.get_running_loop()
+                start = max(loop.time(), self._prefill_free_at)
+                self._prefill_free_at = start + self.prefill_per_token * (prompt_tokens - cached)
+                await asyncio.sleep(self._prefill_free_at - loop.time() + self.ttft)
+                await self._answer(chat, req, max_tokens, prompt_tokens, cached, send)
         finally:
-            gone.close()
             if running:
                 self.c.running -= 1
                 self.kv_blocks_in_use -= blocks
@@ -419,7 +423,6 @@ class VLLMSimulator:
         ids = self.prompt_ids(req, chat)
         r = Request(uuid.uuid4().hex, ids, max_tokens)
         tokens = self.engine_loop.submit(r)
-        gone = _ClientGone(receive)
         self.c.peak_in_flight = max(self.c.peak_in_flight, len(self.engine_loop.engine.running)
                                     + len(self.engine_loop.engine.waiting))
 
@@ -428,18 +431,14 @@ class VLLMSimulator:
                 raise _Abort()
 
         try:
-            if not await tokens.get():  # refused: longer than the whole KV cache
-                self.c.failed += 1
-                return await _json(send, 400, _error(
-                    f"The prompt ({len(ids)} tokens) does not fit in the KV cache", "BadRequestError", "messages"
-                    if chat else "prompt", 400))
-            await self._answer(chat, req, max_tokens, len(ids), r.cached_tokens, send, pace)
-        except (asyncio.CancelledError, _Abort):
-            if not gone.aborted():
-                raise
-            self.c.aborted += 1
+            with _ClientGone(receive, self.c):
+                if not await tokens.get():  # refused: longer than the whole KV cache
+                    self.c.failed += 1
+                    return await _json(send, 400, _error(
+                        f"The prompt ({len(ids)} tokens) does not fit in the KV cache", "BadRequestError", "messages"
+                        if chat else "prompt", 400))
+                await self._answer(chat, req, max_tokens, len(ids), r.cached_tokens, send, pace)
         finally:
-            gone.close()
             self.engine_loop.abort(r)
 
     def _text(self, i: int) -> str:
