@@ -95,7 +95,8 @@ class Metrics:
             "the index predicts from routing decisions (approximate).", ["replica"], registry=r,
             multiprocess_mode="livemax")
         self.kv_events = Counter(
-            "kvroute_kv_events", "KV-cache events applied, by type (other: types the router ignores).",
+            "kvroute_kv_events", "KV-cache events applied, by type (types it does not use are counted per source in "
+            "/admin/replicas, unknown_event_types).",
             ["replica", "type"], registry=r)
         self.kv_event_blocks = Counter(
             "kvroute_kv_event_blocks", "Blocks in applied events: stored, removed, reconfirmed (ancestors of stored "

@@ -36,7 +36,7 @@ from ..index.precise import Applied, PreciseIndex
 from ..keys import PromptKeys
 from ..metrics import Metrics
 from ..pool import Replica, ReplicaPool
-from .decode import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+from .decode import Batch
 from .lease import Lease
 from .sources import NoSource, discover
 from .subscriber import Endpoints, Reset, Subscriber
@@ -358,8 +358,8 @@ class EventFeed:
         lag = max(0.0, time.time() - batch.ts)
         f.lags.append(lag)
         m.child(m.kv_event_lag, f.name).observe(lag)
-        for e in batch.events:
-            kind = type(e).__name__ if isinstance(e, (BlockStored, BlockRemoved, AllBlocksCleared)) else "other"
+        for e in batch.events:  # the decoder keeps only the types it knows
+            kind = type(e).__name__
             f.events[kind] = f.events.get(kind, 0) + 1
             m.child(m.kv_events, f.name, kind).inc()
         for op in ("stored", "removed", "reconfirmed", "orphans", "unkeyed"):
