@@ -172,18 +172,13 @@ class Subscriber:
                         "the live stream", self.replica, start, batch.seq - 1, extra={"replica": self.replica})
             await self.reset("rebuild")
             self._last = None  # what comes next is applied as it is
-            for b in got or ():
-                if b.seq < batch.seq:
-                    await self._take(b)
-        else:
-            if got:
-                self.stats.replays += 1
-                self._note("replay")
-            for b in got:
-                if b.seq < batch.seq:
-                    await self._take(b)
+        elif got:
+            self.stats.replays += 1
+            self._note("replay")
+        for b in got or ():
+            if b.seq < batch.seq:
+                await self._take(b)
         if self._last is None or batch.seq > self._last:
-            self._last = batch.seq - 1 if self._last is None else self._last
             await self._apply(batch)
 
     async def _catch_up(self) -> None:
