@@ -14,10 +14,16 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+# The replicas' model folder: the tiny model's tokenizer and chat template, so that the replicas count
+# tokens as a real model would, publish KV-cache events with token ids, and kvroute (finding the folder
+# by itself) runs its precise index.
+root=$(.venv/bin/python -c "from pathlib import Path; from loadtest.tiny_model import write_tokenizer; \
+print(write_tokenizer(Path('.venv/tiny-model').resolve()))")
 flags=()
 for i in $(seq 1 "$N"); do
   port=$((9000 + i))
-  .venv/bin/python -m loadtest.simulator --port "$port" --model tiny --ttft-ms 50 --itl-ms 10 &
+  .venv/bin/python -m loadtest.simulator --port "$port" --model tiny --ttft-ms 50 --itl-ms 10 \
+    --root "$root" --kv-events &
   pids+=($!)
   flags+=(--replica "replica-$i=http://127.0.0.1:$port")
 done
