@@ -40,16 +40,40 @@ from router.prefix import chain_tokens
 @dataclass(frozen=True)
 class StepCost:
     """Seconds per engine step: ``base_s + prefill_s_per_token x prefill tokens + decode_s_per_seq x decoding
-    sequences + context_s_per_token x their context tokens``."""
+    sequences + context_s_per_token x their context tokens``, and ``prefill_base_s`` more for a step with any
+    prefill (preparing new sequences' inputs)."""
 
     base_s: float = 0.005
     prefill_s_per_token: float = 1e-5
     decode_s_per_seq: float = 2e-4
     context_s_per_token: float = 1e-8
+    prefill_base_s: float = 0.0
 
     def time(self, prefill_tokens: int, decode_seqs: int, decode_context: int) -> float:
         return (self.base_s + self.prefill_s_per_token * prefill_tokens + self.decode_s_per_seq * decode_seqs
-                + self.context_s_per_token * decode_context)
+                + self.context_s_per_token * decode_context + (self.prefill_base_s if prefill_tokens else 0.0))
+
+
+# vLLM 0.32's bucket bounds for vllm:time_to_first_token_seconds
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
+class Histogram:
+    """Cumulative bucket counts, a count and a sum, as Prometheus exposes a histogram."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.buckets = [0] * len(bounds)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        for i, b in enumerate(self.bounds):
+            if v <= b:
+                self.buckets[i] += 1
+        self.count += 1
+        self.sum += v
 
 
 class Block:
@@ -189,8 +213,12 @@ class StepResult:
 class Engine:
     def __init__(self, block_size: int = 128, num_blocks: int = 1024, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, cost: StepCost | None = None,
-                 stored: Stored | None = None, removed: Removed | None = None, seed: int | None = None) -> None:
+                 stored: Stored | None = None, removed: Removed | None = None, seed: int | None = None,
+                 frontend_s: float = 0.0) -> None:
         self.block_size = block_size
+        # seconds a request spends in the API server before the engine sees it (parsing, tokenizing, handing it
+        # over) and its first token after: part of its time to first token, not of any engine step
+        self.frontend_s = frontend_s
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cost = cost or StepCost()
@@ -205,6 +233,7 @@ class Engine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.preemptions = 0
+        self.ttft = Histogram(TTFT_BUCKETS)  # engine seconds from arrival at the API server to the first token
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -317,6 +346,7 @@ class Engine:
             self.generation_tokens += 1
             if req.first_token_at is None:
                 req.first_token_at = self.now
+                self.ttft.observe(self.frontend_s + self.now - req.arrival)
             tokens.append(req)
             if req.output >= req.max_tokens:
                 req.finished_at = self.now

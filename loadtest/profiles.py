@@ -82,14 +82,17 @@ class Profile:
     max_num_batched_tokens: int
     cost: StepCost
     source: str
+    platform: str = "cpu"  # kvroute's replicas[].platform for it
+    tensor_parallel_size: int = 1
+    frontend_s: float = 0.0  # API server time per request outside engine steps (Engine's frontend_s)
 
     @property
     def prefill_tokens_per_s(self) -> float:
         return 1.0 / self.cost.prefill_s_per_token
 
 
-def derive(name: str, model: ModelShape, device: Device, tp: int, block_size: int, max_num_seqs: int = 256,
-           max_num_batched_tokens: int = 8192) -> Profile:
+def derive(name: str, platform: str, model: ModelShape, device: Device, tp: int, block_size: int,
+           max_num_seqs: int = 256, max_num_batched_tokens: int = 8192) -> Profile:
     memory = tp * device.memory_bytes
     kv = memory * GPU_MEMORY_UTILIZATION - model.weight_bytes - ACTIVATION_RESERVE * memory
     if kv <= 0:
@@ -105,26 +108,29 @@ def derive(name: str, model: ModelShape, device: Device, tp: int, block_size: in
     source = (f"{model.name} (BF16) on {tp} x {device.name}, block size {block_size}: derived from {device.source}; "
               f"MFU {MFU}, bandwidth efficiency {BANDWIDTH_EFFICIENCY}, gpu_memory_utilization "
               f"{GPU_MEMORY_UTILIZATION} (loadtest/profiles.py)")
-    return Profile(name, block_size, blocks, max_num_seqs, max_num_batched_tokens, cost, source)
+    return Profile(name, block_size, blocks, max_num_seqs, max_num_batched_tokens, cost, source, platform, tp)
 
 
 # The project's tiny Llama on this machine's real vLLM CPU replicas (deploy/setup-vllm.sh), measured with
-# `python -m loadtest.calibrate measure` on 2026-11-30: prefill 22.9 us per token (a least-squares line
-# through 128- to 2048-token prompts), a decode step 1.27 ms with one sequence and 1.56 ms with four (vLLM's
-# own decode-time histogram). 104 blocks of 128 tokens and 16 sequences, as the real-vLLM benchmarks run it;
+# `python -m loadtest.calibrate measure` on 2026-11-30, three replicas at once behind kvroute on 2 cores (as the
+# real-vLLM benchmarks run them; they slow each other down about threefold against one quiet replica), by vLLM's
+# own histograms (the medians of 3 runs where one run says little): prefill 43.7 us per token, 31.5 ms more for
+# a step with prefill, a decode step 2.9 ms plus 0.3 ms per sequence, and 62 ms per request in the API server
+# before the engine. 104 blocks of 128 tokens and 16 sequences, as the real-vLLM benchmarks run it;
 # max_num_batched_tokens 2048 is assumed.
 CPU = Profile("cpu", block_size=128, num_gpu_blocks=104, max_num_seqs=16, max_num_batched_tokens=2048,
-              cost=StepCost(base_s=1.173e-3, prefill_s_per_token=22.9e-6, decode_s_per_seq=0.097e-3,
-                            context_s_per_token=0.0),
-              source="the tiny Llama on this machine's vLLM 0.32 CPU replicas, measured by loadtest/calibrate.py")
+              cost=StepCost(base_s=2.94e-3, prefill_s_per_token=43.7e-6, decode_s_per_seq=0.30e-3,
+                            context_s_per_token=0.0, prefill_base_s=31.5e-3),
+              source="the tiny Llama on 3 of this machine's vLLM 0.32 CPU replicas at once, measured by "
+                     "loadtest/calibrate.py", frontend_s=61.9e-3)
 
 PROFILES: dict[str, Profile] = {
     p.name: p for p in (
         CPU,
-        derive("gaudi2-tp8", LLAMA_70B, GAUDI2, 8, 128),
-        derive("gaudi3-tp8", LLAMA_70B, GAUDI3, 8, 128),
-        derive("aurora-pvc-tp1", LLAMA_8B, PVC_TILE, 1, 64),
-        derive("aurora-pvc-tp2", LLAMA_8B, PVC_TILE, 2, 64),
-        derive("aurora-pvc-tp4", LLAMA_70B, PVC_TILE, 4, 64),
+        derive("gaudi2-tp8", "gaudi2", LLAMA_70B, GAUDI2, 8, 128),
+        derive("gaudi3-tp8", "gaudi3", LLAMA_70B, GAUDI3, 8, 128),
+        derive("aurora-pvc-tp1", "aurora-pvc", LLAMA_8B, PVC_TILE, 1, 64),
+        derive("aurora-pvc-tp2", "aurora-pvc", LLAMA_8B, PVC_TILE, 2, 64),
+        derive("aurora-pvc-tp4", "aurora-pvc", LLAMA_70B, PVC_TILE, 4, 64),
     )
 }

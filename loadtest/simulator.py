@@ -422,9 +422,7 @@ class VLLMSimulator:
         assert self.engine_loop is not None
         ids = self.prompt_ids(req, chat)
         r = Request(uuid.uuid4().hex, ids, max_tokens)
-        tokens = self.engine_loop.submit(r)
-        self.c.peak_in_flight = max(self.c.peak_in_flight, len(self.engine_loop.engine.running)
-                                    + len(self.engine_loop.engine.waiting))
+        engine = self.engine_loop.engine
 
         async def pace(i: int) -> None:
             if not await tokens.get():
@@ -432,6 +430,10 @@ class VLLMSimulator:
 
         try:
             with _ClientGone(receive, self.c):
+                if engine.frontend_s:  # the API server's part of the time to first token
+                    await asyncio.sleep(engine.frontend_s * self.engine_loop.time_scale)
+                tokens = self.engine_loop.submit(r)
+                self.c.peak_in_flight = max(self.c.peak_in_flight, len(engine.running) + len(engine.waiting))
                 if not await tokens.get():  # refused: longer than the whole KV cache
                     self.c.failed += 1
                     return await _json(send, 400, _error(
@@ -625,6 +627,18 @@ class VLLMSimulator:
         for reason, n in (("stop", 0), ("length", c.completed), ("abort", c.aborted), ("error", c.failed)):
             lines.append(f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="{self.model}"}} {float(n)}')
         lines += [
+        ]
+        if e is not None:
+            h = e.ttft
+            lines += ["# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
+                      "# TYPE vllm:time_to_first_token_seconds histogram"]
+            lines += [f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="{b}",model_name="{self.model}"}} '
+                      f'{float(n)}' for b, n in zip(h.bounds, h.buckets)]
+            lines += [f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="+Inf",model_name="{self.model}"}} '
+                      f'{float(h.count)}',
+                      f"vllm:time_to_first_token_seconds_count{{{lab}}} {float(h.count)}",
+                      f"vllm:time_to_first_token_seconds_sum{{{lab}}} {h.sum}"]
+        lines += [
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
             "# TYPE vllm:cache_config_info gauge",
             f'vllm:cache_config_info{{block_size="{self.block_size}",enable_prefix_caching="True",engine="0",'
@@ -723,8 +737,11 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--step-base-ms", type=float, default=5.0, help="fixed time of an engine step")
     e.add_argument("--step-prefill-us-per-token", type=float, default=10.0, help="step time per prefill token")
     e.add_argument("--step-decode-us-per-seq", type=float, default=200.0, help="step time per decoding sequence")
+    e.add_argument("--step-prefill-base-ms", type=float, default=0.0, help="more time for a step with any prefill")
     e.add_argument("--step-context-ns-per-token", type=float, default=10.0,
                    help="step time per token of the decoding sequences' context")
+    e.add_argument("--frontend-ms", type=float, default=0.0, help="time a request spends in the API server before "
+                   "the engine sees it (part of its time to first token, not of an engine step)")
     e.add_argument("--time-scale", type=float, default=1.0, help="real seconds per modelled second (above 1: slower)")
     for name in ("fail_status", "fail_count", "health_status", "die_after_chunks", "exit_after_chunks",
                  "stall_after_chunks"):
@@ -743,7 +760,8 @@ def main(argv: list[str] | None = None) -> int:
                        max_num_seqs=prof.max_num_seqs, max_num_batched_tokens=prof.max_num_batched_tokens,
                        step_base_ms=c.base_s * 1e3, step_prefill_us_per_token=c.prefill_s_per_token * 1e6,
                        step_decode_us_per_seq=c.decode_s_per_seq * 1e6,
-                       step_context_ns_per_token=c.context_s_per_token * 1e9)
+                       step_context_ns_per_token=c.context_s_per_token * 1e9, frontend_ms=prof.frontend_s * 1e3,
+                       step_prefill_base_ms=c.prefill_base_s * 1e3)
     args = p.parse_args(argv)
     apps = [build(args, i) for i in range(args.replicas)]
     import uvicorn
@@ -782,10 +800,12 @@ def build(args: argparse.Namespace, index: int = 0) -> VLLMSimulator:
     engine = None
     if args.engine:
         cost = StepCost(args.step_base_ms / 1e3, args.step_prefill_us_per_token / 1e6,
-                        args.step_decode_us_per_seq / 1e6, args.step_context_ns_per_token / 1e9)
+                        args.step_decode_us_per_seq / 1e6, args.step_context_ns_per_token / 1e9,
+                        args.step_prefill_base_ms / 1e3)
         engine = Engine(args.block_size, args.num_gpu_blocks, args.max_num_seqs, args.max_num_batched_tokens, cost,
                         stored=(lambda h, parent, t: publisher.stored(h, parent, t, args.block_size)) if publisher else None,
-                        removed=publisher.removed if publisher else None, seed=seed)
+                        removed=publisher.removed if publisher else None, seed=seed,
+                        frontend_s=args.frontend_ms / 1e3)
     return VLLMSimulator(args.model, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
                          prefill_us_per_token=args.prefill_us_per_token, max_num_seqs=args.max_num_seqs,
                          block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,

@@ -97,6 +97,24 @@ def test_step_time_grows_with_the_batch_and_its_context():
     assert prefill.seconds == cost.time(256, 0, 0) and decode.seconds == cost.time(0, 8, 8 * 32)
 
 
+def test_a_step_with_prefill_costs_its_fixed_extra_once_and_a_decode_only_step_does_not():
+    cost = StepCost(base_s=0.01, prefill_s_per_token=0.0, decode_s_per_seq=0.0, context_s_per_token=0.0,
+                    prefill_base_s=0.03)
+    assert cost.time(0, 4, 100) == pytest.approx(0.01)
+    assert cost.time(1, 4, 100) == cost.time(2000, 0, 0) == pytest.approx(0.04)
+
+
+def test_time_to_first_token_counts_the_queue_the_prefill_steps_and_the_front_end():
+    e, _ = engine(max_num_batched_tokens=64, cost=StepCost(base_s=0.01, prefill_s_per_token=0.0,
+                                                          decode_s_per_seq=0.0, context_s_per_token=0.0),
+                  frontend_s=0.05)
+    e.add(Request("a", prompt(1, 100), max_tokens=1))  # two prefill steps
+    e.add(Request("b", prompt(2, 10), max_tokens=1))  # shares the second step with a's last chunk
+    run(e)
+    assert e.ttft.count == 2 and e.ttft.sum == pytest.approx(2 * 0.05 + 0.02 + 0.02)
+    assert e.ttft.buckets[e.ttft.bounds.index(0.06)] == 0 and e.ttft.buckets[e.ttft.bounds.index(0.08)] == 2
+
+
 def test_at_most_max_num_seqs_run_and_the_rest_wait_in_arrival_order():
     e, _ = engine(max_num_seqs=2)
     reqs = [Request(str(i), prompt(i + 1, 20), max_tokens=2) for i in range(4)]
@@ -182,10 +200,10 @@ def test_profiles_are_derived_from_the_model_and_the_devices():
     assert LLAMA_70B.kv_bytes_per_token == 80 * 2 * 8 * 128 * 2
     # 8 x 96 GB at 0.9, less 141 GB of weights and a 5% reserve, in blocks of 128 tokens of 320 KiB each
     assert g2.num_gpu_blocks == int((8 * 96e9 * 0.85 - 141.2e9) // (327_680 * 128))
-    assert derive("x", LLAMA_70B, GAUDI2, 4, 128).num_gpu_blocks < g2.num_gpu_blocks
+    assert derive("x", "gaudi2", LLAMA_70B, GAUDI2, 4, 128).num_gpu_blocks < g2.num_gpu_blocks
     assert PROFILES["gaudi3-tp8"].prefill_tokens_per_s > g2.prefill_tokens_per_s
     with pytest.raises(ValueError, match="does not fit"):
-        derive("x", LLAMA_70B, PVC_TILE, 1, 64)
+        derive("x", "aurora-pvc", LLAMA_70B, PVC_TILE, 1, 64)
 
 
 def test_the_stand_in_takes_a_profile_and_reports_its_cache(cluster):
@@ -194,6 +212,19 @@ def test_the_stand_in_takes_a_profile_and_reports_its_cache(cluster):
     metrics = httpx.get(sim.url + "/metrics", timeout=5).text
     p = PROFILES["gaudi2-tp8"]
     assert 'block_size="128"' in metrics and f'num_gpu_blocks="{p.num_gpu_blocks}"' in metrics
+
+
+def test_the_stand_ins_time_to_first_token_histogram_includes_its_front_end_time(cluster):
+    sim = cluster.sim("--engine", "--frontend-ms", "80", "--step-base-ms", "1")
+    with httpx.Client(timeout=10) as c:
+        t0 = time.perf_counter()
+        c.post(sim.url + "/v1/completions", json={"model": "tiny", "prompt": "hello there", "max_tokens": 1})
+        took = time.perf_counter() - t0
+        metrics = c.get(sim.url + "/metrics").text
+    assert took >= 0.08
+    assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.06",model_name="tiny"} 0.0' in metrics
+    assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="tiny"} 1.0' in metrics
+    assert 'vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 1.0' in metrics
 
 
 def test_one_process_serves_several_replicas_on_consecutive_ports_behind_a_router(cluster):
