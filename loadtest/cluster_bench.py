@@ -3,13 +3,17 @@
     python -m loadtest.cluster_bench [--config loadtest/cluster_bench.yaml] [--quick]
 
 For each router in the configuration (commands in ``loadtest/routers.yaml``) and each offered rate, a
-fresh simulated cluster is started (``loadtest.simulator --replicas N --profile P``: the engine model,
-empty caches), the router in front of it, and the same seeded request sequence is sent open loop at
-that rate (``loadtest.load``). Shares per replica come from the replicas' own request counters, so
-every router is measured alike. The rates are fractions of the cluster's saturation throughput, measured
-first: a closed-loop run through kvroute with many requests in flight. A router that is not
-installed is reported as skipped. Results go to ``loadtest/results/<name>/``: ``results.json``,
-``results.md`` and, with matplotlib, ``ttft_p90.png`` and ``throughput.png`` (one line per router).
+fresh simulated cluster is started (``loadtest.simulator --replicas N --profile P`` per group of
+replicas: the engine model, empty caches, the tiny model's tokenizer and KV-cache events, as a real
+vLLM fleet with events on would have), the router in front of it (several instances sharing a fresh
+Redis where its command asks for one), and the same seeded request sequence is sent open loop at that
+rate (``loadtest.load``; with several router instances, requests take turns). Shares per replica come
+from the replicas' own request counters, so every router is measured alike. The rates are fractions
+of the cluster's saturation throughput, measured first: a closed-loop run through kvroute with many
+requests in flight. A router that is not installed is reported as skipped. Results go to
+``loadtest/results/<name>/``: ``results.json``, ``results.md`` with the targets checked and, with
+matplotlib, ``ttft_p90.png`` and ``throughput.png`` (one line per router); a full run also replaces
+its section of the README (between ``<!-- cluster-bench:<name> -->`` markers).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import shlex
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,114 +33,272 @@ import httpx
 import yaml
 
 from . import load
-from .cluster import ROOT, Proc, free_port, free_ports, simulator
+from .cluster import ROOT, Proc, free_port, free_ports, redis_server, simulator, wait_redis
+from .profiles import PROFILES
+from .tiny_model import write_tokenizer
 
 
-def router_command(template: str, port: int, urls: list[str]) -> list[str]:
-    text = template.format(python=shlex.quote(sys.executable), port=port, metrics_port=free_port(),
-                           urls=" ".join(urls), replica_args=" ".join(f"--replica {u}" for u in urls))
-    argv = shlex.split(text)
-    beside = Path(sys.executable).parent / argv[0]  # installed in this environment, not on PATH
-    if shutil.which(argv[0]) is None and beside.exists():
-        argv[0] = str(beside)
-    return argv
+@dataclass
+class RouterSpec:
+    """One line of the routers file: a command with placeholders, and how many instances run it."""
+
+    name: str
+    command: str
+    instances: int = 1
+
+    @classmethod
+    def parse(cls, name: str, entry: str | dict[str, Any]) -> "RouterSpec":
+        if isinstance(entry, str):
+            return cls(name, entry)
+        return cls(name, str(entry["command"]), int(entry.get("instances", 1)))
+
+    @property
+    def needs_redis(self) -> bool:
+        return "{redis}" in self.command
+
+    def argv(self, port: int, fleet: "Fleet", redis: str = "") -> list[str]:
+        urls = fleet.urls
+        text = self.command.format(python=shlex.quote(sys.executable), port=port, metrics_port=free_port(),
+                                   urls=" ".join(urls), replica_args=" ".join(f"--replica {u}" for u in urls),
+                                   config=shlex.quote(str(fleet.config_path)), redis=redis)
+        argv = shlex.split(text)
+        beside = Path(sys.executable).parent / argv[0]  # installed in this environment, not on PATH
+        if shutil.which(argv[0]) is None and beside.exists():
+            argv[0] = str(beside)
+        return argv
+
+    def installed(self) -> str | None:
+        """The executable's name when it is missing."""
+        exe = shlex.split(self.command)[0]
+        if exe.startswith("{python}"):
+            return None
+        if shutil.which(exe) is None and not (Path(sys.executable).parent / exe).exists():
+            return exe
+        return None
 
 
-def start_cluster(cfg: dict[str, Any], out: Path, tag: str) -> tuple[Proc, list[str]]:
+@dataclass
+class Fleet:
+    """A simulated cluster: one simulator process per group of replicas, and a kvroute configuration that
+    states each replica's platform and tensor-parallel size, as an operator would write it."""
+
+    procs: list[Proc] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+    config_path: Path = Path()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.stop()
+
+
+def groups(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cluster's groups of like replicas (``cluster.groups``, or the cluster itself as one group)."""
     c = cfg["cluster"]
-    n = int(c["replicas"])
-    base = free_ports(n)
-    args = ["--replicas", str(n), "--profile", c["profile"], "--time-scale", str(c.get("time_scale", 1.0))]
-    if c.get("num_gpu_blocks"):
-        args += ["--num-gpu-blocks", str(c["num_gpu_blocks"])]
-    proc = simulator(base, "tiny", *args, log_dir=out, name=f"cluster-{tag}").start()
-    urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
-    proc.wait_http()
-    for u in urls:
-        httpx.get(u + "/health", timeout=10).raise_for_status()
-    return proc, urls
+    return c.get("groups") or [{k: c[k] for k in ("profile", "replicas", "num_gpu_blocks") if k in c}]
 
 
-def start_router(name: str, template: str, urls: list[str], out: Path) -> Proc:
-    port = free_port()
-    argv = router_command(template, port, urls)
-    proc = Proc(name, argv, port, log_path=out / f"router-{name}.log").start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # ready: it answers a request
+def start_cluster(cfg: dict[str, Any], out: Path, tag: str, root: Path) -> Fleet:
+    c = cfg["cluster"]
+    fleet = Fleet(config_path=out / f"kvroute-{tag}.yaml")
+    replicas = []
+    try:
+        for gi, g in enumerate(groups(cfg)):
+            n, prof = int(g["replicas"]), PROFILES[g["profile"]]
+            args = ["--replicas", str(n), "--profile", prof.name, "--time-scale", str(c.get("time_scale", 1.0)),
+                    "--root", str(root)]
+            if c.get("kv_events", True):
+                args.append("--kv-events")
+            if g.get("num_gpu_blocks"):
+                args += ["--num-gpu-blocks", str(g["num_gpu_blocks"])]
+            for attempt in range(3):  # another process may take a port between the check and the bind
+                base = free_ports(n)
+                proc = simulator(base, "tiny", *args, log_dir=out, name=f"cluster-{tag}-{gi}").start()
+                try:
+                    proc.wait_http()
+                    break
+                except RuntimeError:
+                    proc.stop()
+                    if attempt == 2:
+                        raise
+            fleet.procs.append(proc)
+            for i in range(n):
+                url = f"http://127.0.0.1:{base + i}"
+                httpx.get(url + "/health", timeout=10).raise_for_status()
+                fleet.urls.append(url)
+                replicas.append({"url": url, "platform": prof.platform,
+                                 "tensor_parallel_size": prof.tensor_parallel_size, "max_num_seqs": prof.max_num_seqs,
+                                 "max_num_batched_tokens": prof.max_num_batched_tokens})
+    except BaseException:
+        fleet.stop()
+        raise
+    fleet.config_path.write_text(yaml.safe_dump({"replicas": replicas}, sort_keys=False))
+    return fleet
+
+
+@dataclass
+class RouterRun:
+    """A router's instances (and their Redis, if they share one) in front of a fleet."""
+
+    procs: list[Proc]
+    redis: Proc | None = None
+
+    @property
+    def target(self) -> str:
+        return ",".join(p.url for p in self.procs)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.stop()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def _ready(proc: Proc, deadline: float) -> bool:
+    """It answers a request (every router under test, whatever its own health endpoint)."""
+    while time.monotonic() < deadline:
         try:
             r = httpx.post(proc.url + "/v1/chat/completions", timeout=10, json={
                 "model": "tiny", "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1})
             if r.status_code == 200:
-                return proc
+                return True
         except httpx.HTTPError:
             pass
         if proc.popen is not None and proc.popen.poll() is not None:
-            break
+            return False
         time.sleep(0.5)
-    proc.stop()
-    raise RuntimeError(f"{name} did not come up: {proc.log_tail(800)}")
+    return False
+
+
+def start_router(spec: RouterSpec, fleet: Fleet, out: Path) -> RouterRun:
+    run = RouterRun([])
+    redis = ""
+    if spec.needs_redis:
+        run.redis = redis_server(log_dir=out).start()
+        wait_redis(run.redis)
+        redis = f"redis://127.0.0.1:{run.redis.port}/0"
+    deadline = time.monotonic() + 60
+    for i in range(spec.instances):
+        port = free_port()
+        name = spec.name if spec.instances == 1 else f"{spec.name}-{i}"
+        run.procs.append(Proc(name, spec.argv(port, fleet, redis), port, log_path=out / f"router-{name}.log").start())
+    for proc in run.procs:
+        if not _ready(proc, deadline):
+            tail = proc.log_tail(800)
+            run.stop()
+            raise RuntimeError(f"{proc.name} did not come up: {tail}")
+    return run
 
 
 def workload_args(cfg: dict[str, Any], target: str, urls: list[str]) -> list[str]:
     w = cfg["workload"]
     args = ["--target", target, "--replicas", ",".join(urls), "--workload", w["kind"],
-            "--requests", str(cfg["requests_per_rate"])]
+            "--requests", str(cfg["requests_per_rate"]), "--words", "tiny-model"]
     for key in ("groups", "prompts_per_group", "system_tokens", "question_tokens", "output_tokens", "conversations",
-                "turns", "think_s", "prefixes"):
+                "turns", "think_s", "prefixes", "warmup"):
         if key in w:
             args += ["--" + key.replace("_", "-"), str(w[key])]
     return args
 
 
-def saturation(cfg: dict[str, Any], templates: dict[str, str], out: Path) -> float:
-    cluster, urls = start_cluster(cfg, out, "saturation")
+def saturation(cfg: dict[str, Any], spec: RouterSpec, out: Path, root: Path) -> float:
+    fleet = start_cluster(cfg, out, "saturation", root)
     rt = None
     try:
-        rt = start_router("kvroute", templates["kvroute"], urls, out)
-        args = load.parser().parse_args(workload_args(cfg, rt.url, urls) + [
+        rt = start_router(spec, fleet, out)
+        args = load.parser().parse_args(workload_args(cfg, rt.target, fleet.urls) + [
             "--closed-loop", "--concurrency", str(cfg.get("saturation_concurrency", 128))])
         res = asyncio.run(load.run(args))
         return float(res["rows"][0]["achieved_rps"])
     finally:
         if rt is not None:
             rt.stop()
-        cluster.stop()
+        fleet.stop()
 
 
-def run_router(name: str, template: str, cfg: dict[str, Any], rates: list[float], out: Path) -> dict[str, Any]:
+def run_router(spec: RouterSpec, cfg: dict[str, Any], sat: float, out: Path, root: Path) -> dict[str, Any]:
     """Each rate on a fresh cluster and router: empty caches, the same request sequence."""
     rows = []
-    for rate in rates:
-        cluster, urls = start_cluster(cfg, out, name)
+    for fraction in cfg["rates"]:
+        fleet = start_cluster(cfg, out, spec.name, root)
         rt = None
         try:
-            rt = start_router(name, template, urls, out)
-            args = load.parser().parse_args(workload_args(cfg, rt.url, urls) + ["--rates", f"{rate:.3f}"])
-            rows += asyncio.run(load.run(args))["rows"]
+            rt = start_router(spec, fleet, out)
+            args = load.parser().parse_args(workload_args(cfg, rt.target, fleet.urls) +
+                                            ["--rates", f"{fraction * sat:.3f}"])
+            row = asyncio.run(load.run(args))["rows"][0]
+            rows.append({**row, "load_fraction": fraction})
         finally:
             if rt is not None:
                 rt.stop()
-            cluster.stop()
-    return {"router": name, "rows": rows}
+            fleet.stop()
+    return {"router": spec.name, "rows": rows}
+
+
+def describe(cfg: dict[str, Any]) -> str:
+    c = cfg["cluster"]
+    parts = [f"{g['replicas']} x `{g['profile']}` ({g.get('num_gpu_blocks') or PROFILES[g['profile']].num_gpu_blocks} "
+             f"KV blocks of {PROFILES[g['profile']].block_size} tokens each)" for g in groups(cfg)]
+    return " + ".join(parts) + f", time scale {c.get('time_scale', 1.0)}"
+
+
+def _row_at(res: dict[str, Any], fraction: float) -> dict[str, Any] | None:
+    return next((r for r in res["rows"] if abs(r["load_fraction"] - fraction) < 1e-9), None)
+
+
+def verdicts(results: list[dict[str, Any]], mixed: bool = False) -> list[str]:
+    """kvroute (its defaults) against the best of the other routers, at 70% of saturation and at saturation."""
+    ours = next((r for r in results if r["router"] == "kvroute"), None)
+    others = [r for r in results if not r["router"].startswith("kvroute")]
+    if ours is None:
+        return []
+    out = []
+    at70 = _row_at(ours, 0.7)
+    best70 = min(((_row_at(o, 0.7), o["router"]) for o in others if _row_at(o, 0.7)),
+                 key=lambda t: t[0]["ttft_p90_ms"] or float("inf"), default=(None, ""))
+    if at70 and best70[0]:
+        ratio = at70["ttft_p90_ms"] / best70[0]["ttft_p90_ms"]
+        out.append(f"- At 70% of saturation, kvroute's TTFT p90 is {at70['ttft_p90_ms']:.0f} ms against "
+                   f"{best70[0]['ttft_p90_ms']:.0f} ms for the best other router ({best70[1]}): {ratio:.2f}x "
+                   f"(target <= 0.5: {'met' if ratio <= 0.5 else 'NOT met'}).")
+    at100 = _row_at(ours, 1.0)
+    best100 = max(((_row_at(o, 1.0), o["router"]) for o in others if _row_at(o, 1.0)),
+                  key=lambda t: t[0]["output_tokens_per_s"], default=(None, ""))
+    if at100 and best100[0]:
+        ratio = at100["output_tokens_per_s"] / best100[0]["output_tokens_per_s"]
+        out.append(f"- At saturation, kvroute delivers {at100['output_tokens_per_s']:.0f} output tokens/s against "
+                   f"{best100[0]['output_tokens_per_s']:.0f} for the best other router ({best100[1]}): {ratio:.2f}x "
+                   f"(target >= 1: {'met' if ratio >= 0.995 else 'NOT met'}).")
+    errors = sum(r["errors"] for r in ours["rows"])
+    worst = max((r["max_mean_share"] or 0.0) for r in ours["rows"])
+    if mixed:  # unlike replicas should not get like shares
+        out.append(f"- kvroute: {errors} errors over all rates (target 0); max/mean requests per replica at most "
+                   f"{worst:.2f} (a mixed fleet: shares should follow capacity, the 1.3 target is for like replicas).")
+    else:
+        out.append(f"- kvroute: {errors} errors over all rates (target 0); max/mean requests per replica at most "
+                   f"{worst:.2f} (target <= 1.3: {'met' if worst <= 1.3 else 'NOT met'}).")
+    return out
 
 
 def report(cfg: dict[str, Any], sat: float, results: list[dict[str, Any]], skipped: dict[str, str]) -> str:
-    c = cfg["cluster"]
     w = cfg["workload"]
-    lines = [f"## Cluster benchmark: {cfg['name']}", "",
-             f"{c['replicas']} simulated `{c['profile']}` replicas ({c.get('num_gpu_blocks') or 'profile'} KV blocks "
-             f"each, time scale {c.get('time_scale', 1.0)}), `{w['kind']}` workload "
-             f"({', '.join(f'{k} {v}' for k, v in w.items() if k != 'kind')}), {cfg['requests_per_rate']} requests per "
-             f"rate, saturation measured at {sat:.2f} requests/s.", ""]
-    lines += ["| router | offered req/s | achieved req/s | output tok/s | TTFT p50 / p90 / p99 ms | ITL p50 ms | "
-              "hit rate | max/mean share | errors |", "|" + "---|" * 9]
+    lines = [f"#### Cluster benchmark: {cfg['name']}", "",
+             f"{describe(cfg)}; `{w['kind']}` workload ({', '.join(f'{k} {v}' for k, v in w.items() if k != 'kind')}), "
+             f"{cfg['requests_per_rate']} requests per rate; saturation measured at {sat:.2f} requests/s. "
+             f"Reproduce: `python -m loadtest.cluster_bench --config {cfg['_path']}`.", ""]
+    lines += ["| router | load | offered req/s | achieved req/s | output tok/s | TTFT p50 / p90 / p99 ms | "
+              "ITL p50 ms | "
+              "hit rate | max/mean share | errors |", "|" + "---|" * 10]
     for res in results:
         for r in res["rows"]:
-            lines.append(f"| {res['router']} | {r['offered_rate']:.2f} | {r['achieved_rps']:.2f} | "
-                         f"{r['output_tokens_per_s']:.0f} | {r['ttft_p50_ms']} / {r['ttft_p90_ms']} / {r['ttft_p99_ms']} | "
-                         f"{r['itl_p50_ms']} | {r['hit_rate']} | {r['max_mean_share']} | {r['errors']} |")
+            lines.append(f"| {res['router']} | {r['load_fraction']:.0%} | {r['offered_rate']:.2f} | "
+                         f"{r['achieved_rps']:.2f} | {r['output_tokens_per_s']:.0f} | {r['ttft_p50_ms']} / "
+                         f"{r['ttft_p90_ms']} / {r['ttft_p99_ms']} | {r['itl_p50_ms']} | {r['hit_rate']} | "
+                         f"{r['max_mean_share']} | {r['errors']} |")
     for name, why in skipped.items():
         lines.append(f"\nSkipped {name}: {why}.")
+    found = verdicts(results, mixed=len(groups(cfg)) > 1)
+    if found:
+        lines += ["", "Targets:", ""] + found
     return "\n".join(lines) + "\n"
 
 
@@ -156,8 +319,10 @@ def plots(results: list[dict[str, Any]], out: Path) -> list[str]:
             ax.plot(xs, ys, marker="o", label=res["router"])
         ax.set_xlabel("offered load (requests/s)")
         ax.set_ylabel(label)
+        if key == "ttft_p90_ms":
+            ax.set_yscale("log")  # tens of milliseconds and tens of seconds on one plot
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / fname, dpi=110)
         plt.close(fig)
@@ -165,55 +330,92 @@ def plots(results: list[dict[str, Any]], out: Path) -> list[str]:
     return made
 
 
+def update_readme(readme: Path, name: str, text: str) -> None:
+    """Replace the text between ``<!-- cluster-bench:NAME -->`` and ``<!-- /cluster-bench:NAME -->`` (appended to
+    the file, markers and all, the first time)."""
+    begin, end = f"<!-- cluster-bench:{name} -->", f"<!-- /cluster-bench:{name} -->"
+    body = readme.read_text()
+    block = f"{begin}\n{text.rstrip()}\n{end}"
+    if begin in body and end in body:
+        body = body[:body.index(begin)] + block + body[body.index(end) + len(end):]
+    else:
+        body = body.rstrip("\n") + "\n\n" + block + "\n"
+    readme.write_text(body)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.cluster_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", type=Path, default=ROOT / "loadtest" / "cluster_bench.yaml")
-    p.add_argument("--routers", type=Path, default=ROOT / "loadtest" / "routers.yaml")
-    p.add_argument("--only", action="append", help="only these routers")
+    p.add_argument("--config", type=Path, default=ROOT / "loadtest" / "cluster_bench.yaml", help="the cluster, "
+                   "workload, rates and routers (default: loadtest/cluster_bench.yaml; see also cluster_bench_*.yaml)")
+    p.add_argument("--routers", type=Path, default=ROOT / "loadtest" / "routers.yaml", help="each router's command "
+                   "(default: loadtest/routers.yaml)")
+    p.add_argument("--only", action="append", help="only these routers; with a stored run of the same configuration "
+                   "in the output folder, they are added to it (or replace their earlier rows) at its saturation")
     p.add_argument("--quick", action="store_true", help="a fifth of the groups and requests, three rates (to try "
-                   "the set-up)")
-    p.add_argument("--out", type=Path, help="results here (default: loadtest/results/NAME)")
+                   "the set-up; the README is left alone)")
+    p.add_argument("--out", type=Path, help="results here (default: loadtest/results/NAME); the README is updated "
+                   "only with the default")
     args = p.parse_args(argv)
     cfg = yaml.safe_load(args.config.read_text())
-    templates = yaml.safe_load(args.routers.read_text())
+    path = args.config.resolve()
+    cfg["_path"] = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    specs = {name: RouterSpec.parse(name, entry) for name, entry in yaml.safe_load(args.routers.read_text()).items()}
     if args.quick:
         w = cfg["workload"]
-        if "groups" in w:
-            w["groups"] = max(2, w["groups"] // 5)
+        for key in ("groups", "conversations"):
+            if key in w:
+                w[key] = max(2, w[key] // 5)
         cfg["requests_per_rate"] = max(20, cfg["requests_per_rate"] // 5)
         cfg["rates"] = [0.2, 0.7, 1.0]
     out = args.out or ROOT / "loadtest" / "results" / cfg["name"]
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
+    root = write_tokenizer(logs / "tiny-model")
     started = time.monotonic()
-    sat = saturation(cfg, templates, logs)
-    sys.stderr.write(f"saturation: {sat:.2f} requests/s\n")
-    rates = [round(f * sat, 3) for f in cfg["rates"]]
+    stored = out / "results.json"
+    earlier: dict[str, Any] = json.loads(stored.read_text()) if args.only and stored.exists() else {}
+    if earlier.get("config", {}).get("name") != cfg["name"]:
+        earlier = {}
+    if earlier:  # add these routers to a stored run: same saturation, so the same rates
+        sat = float(earlier["saturation_rps"])
+        sys.stderr.write(f"saturation: {sat:.2f} requests/s (from {stored})\n")
+    else:
+        sat = saturation(cfg, specs["kvroute"], logs, root)
+        sys.stderr.write(f"saturation: {sat:.2f} requests/s\n")
     results, skipped = [], {}
     for name in cfg["routers"]:
         if args.only and name not in args.only:
             continue
-        template = templates.get(name)
-        if template is None:
+        spec = specs.get(name)
+        if spec is None:
             skipped[name] = "not in the routers file"
             continue
-        exe = router_command(template, 0, [])[0]
-        if shutil.which(exe) is None and not Path(exe).exists():
-            skipped[name] = f"`{exe}` is not installed (pip install '.[bench]')"
+        missing = spec.installed()
+        if missing:
+            skipped[name] = f"`{missing}` is not installed (pip install '.[bench]')"
             continue
         sys.stderr.write(f"{name}:\n")
         try:
-            results.append(run_router(name, template, cfg, rates, logs))
+            results.append(run_router(spec, cfg, sat, logs, root))
         except RuntimeError as e:
             skipped[name] = str(e).splitlines()[0]
-    text = report(cfg, sat, results, skipped)
+    if earlier:
+        ran = {r["router"] for r in results} | set(skipped)
+        kept = {r["router"]: r for r in earlier["results"] if r["router"] not in ran}
+        kept.update({r["router"]: r for r in results})
+        results = [kept[name] for name in cfg["routers"] if name in kept]
+        skipped = {**{k: v for k, v in earlier.get("skipped", {}).items() if k not in kept}, **skipped}
     made = plots(results, out)
-    text += "".join(f"\n![{m}]({m})\n" for m in made)
-    text += f"\nWall time: {time.monotonic() - started:.0f} s.\n"
-    (out / "results.md").write_text(text)
+    text = report(cfg, sat, results, skipped)
+    text += f"\nWall time: {time.monotonic() - started:.0f} s"
+    text += f" (adding {', '.join(args.only)} to a stored run).\n" if earlier else ".\n"
+    (out / "results.md").write_text(text + "".join(f"\n![{m}]({m})\n" for m in made))
     (out / "results.json").write_text(json.dumps({"config": cfg, "saturation_rps": sat, "results": results,
                                                   "skipped": skipped}, indent=2))
+    if not args.quick and args.out is None:
+        rel = out.relative_to(ROOT)
+        update_readme(ROOT / "README.md", cfg["name"], text + "".join(f"\n![{m}]({rel / m})\n" for m in made))
     print(text)
     return 0
 

@@ -7,7 +7,8 @@
 Open loop (default): requests start at Poisson arrival times at each offered rate (requests/s),
 whatever the answers do, so queueing shows as it would with independent users. ``--closed-loop
 --concurrency C`` keeps C requests in flight instead. The request sequence is seeded: every target
-gets the same prompts in the same order.
+gets the same prompts in the same order. ``--warmup N`` sends the sequence's first N requests first, unmeasured
+(steady state instead of empty caches).
 
 Workloads, each with the parameters of the tool it comes from, so that results compare:
 
@@ -19,8 +20,10 @@ Workloads, each with the parameters of the tool it comes from, so that results c
 - ``prefix-repetition`` (vLLM's ``prefix_repetition``): a few prefixes, each prompt one of them plus
   its own suffix.
 
-Lengths are in tokens of the stand-in replica's byte mode (4 bytes per token: three letters and a
-space); against a real model they are approximate. Reported per rate: time to first token
+Lengths are in tokens: of the stand-in replica's byte mode by default (4 bytes per token: three
+letters and a space), of the tiny model's tokenizer with ``--words tiny-model``; against another
+model they are approximate. ``--target`` takes several routers, comma-separated, in turn. Reported per
+rate: time to first token
 p50/p90/p99, inter-token latency p50/p90, end-to-end latency p50/p90, output tokens/s, requests/s
 achieved, errors, each replica's share of the requests (``x-kvroute-replica``), and with
 ``--replicas`` the prefix-cache hit rate by the replicas' own counters.
@@ -42,13 +45,18 @@ from typing import Any, Iterator
 import httpx
 
 from . import vllm_cluster
+from .tiny_model import WORDS
 
-SYLLABLES = [a + b + c for a in "bcdfgklmnprstvz" for b in "aeiou" for c in "bdgklmnprstx"]
-
-
-def words(rng: random.Random, tokens: int) -> str:
-    """``tokens`` tokens of the stand-in's byte mode: three letters and a space each."""
-    return "".join(rng.choice(SYLLABLES) + " " for _ in range(tokens))
+SYLLABLES = [a + b + c + " " for a in "bcdfgklmnprstvz" for b in "aeiou" for c in "bdgklmnprstx"]
+VOCABULARIES = {
+    # one token each in the stand-in's byte mode (4 bytes per token): three letters and a space
+    "syllables": SYLLABLES,
+    # one token each for the tiny model's tokenizer (loadtest/tiny_model.py): a space and a word it learned
+    "tiny-model": [" " + w for w in WORDS],
+}
+def words(rng: random.Random, tokens: int, vocabulary: list[str] = SYLLABLES) -> str:
+    """``tokens`` tokens: words of ``vocabulary`` (one of ``VOCABULARIES``), each one token."""
+    return "".join(rng.choice(vocabulary) for _ in range(tokens))
 
 
 @dataclass
@@ -60,39 +68,39 @@ class Turn:
 
 
 def shared_prefix(groups: int, prompts_per_group: int, system_tokens: int, question_tokens: int,
-                  output_tokens: int, seed: int = 0) -> list[Turn]:
+                  output_tokens: int, seed: int = 0, vocabulary: list[str] = SYLLABLES) -> list[Turn]:
     rng = random.Random(seed)
-    systems = [words(rng, system_tokens) for _ in range(groups)]
+    systems = [words(rng, system_tokens, vocabulary) for _ in range(groups)]
     out = []
     for _ in range(prompts_per_group):
         order = list(range(groups))
         rng.shuffle(order)
         for g in order:
             out.append(Turn([{"role": "system", "content": systems[g]},
-                             {"role": "user", "content": words(rng, question_tokens)}], output_tokens))
+                             {"role": "user", "content": words(rng, question_tokens, vocabulary)}], output_tokens))
     return out
 
 
 def multi_turn(conversations: int, turns: int, system_tokens: int, user_tokens: int, output_tokens: int,
-               think_s: float, seed: int = 0) -> list[Turn]:
+               think_s: float, seed: int = 0, vocabulary: list[str] = SYLLABLES) -> list[Turn]:
     rng = random.Random(seed)
-    system = words(rng, system_tokens)
+    system = words(rng, system_tokens, vocabulary)
     out = []
     for c in range(conversations):
         history = [{"role": "system", "content": system}]
         for _ in range(turns):
-            history.append({"role": "user", "content": words(rng, user_tokens)})
+            history.append({"role": "user", "content": words(rng, user_tokens, vocabulary)})
             out.append(Turn(list(history), output_tokens, conversation=c, think_s=think_s))
-            history.append({"role": "assistant", "content": words(rng, output_tokens)})
+            history.append({"role": "assistant", "content": words(rng, output_tokens, vocabulary)})
     return out
 
 
 def prefix_repetition(prompts: int, prefixes: int, prefix_tokens: int, suffix_tokens: int, output_tokens: int,
-                      seed: int = 0) -> list[Turn]:
+                      seed: int = 0, vocabulary: list[str] = SYLLABLES) -> list[Turn]:
     rng = random.Random(seed)
-    heads = [words(rng, prefix_tokens) for _ in range(prefixes)]
-    return [Turn([{"role": "user", "content": rng.choice(heads) + words(rng, suffix_tokens)}], output_tokens)
-            for _ in range(prompts)]
+    heads = [words(rng, prefix_tokens, vocabulary) for _ in range(prefixes)]
+    return [Turn([{"role": "user", "content": rng.choice(heads) + words(rng, suffix_tokens, vocabulary)}],
+                 output_tokens) for _ in range(prompts)]
 
 
 # -- one request ------------------------------------------------------------------------------
@@ -175,28 +183,31 @@ class Progress:
             self.stream.flush()
 
 
-async def run_open(target: str, model: str, turns: list[Turn], rate: float, seed: int,
+async def run_open(targets: list[str], model: str, turns: list[Turn], rate: float, seed: int,
                    client: httpx.AsyncClient, label: str) -> tuple[list[Result], float]:
     """Each turn starts at its Poisson arrival time; a conversation's next turn waits for the previous
-    answer plus the think time (then it is not earlier than its arrival either)."""
+    answer plus the think time (then it is not earlier than its arrival either). Turn ``i`` goes to
+    ``targets[i % len(targets)]``: with several routers, consecutive turns of a conversation meet different
+    ones, as behind a load balancer."""
     started = time.perf_counter()
     progress = Progress(label, len(turns))
     previous: dict[int, asyncio.Task[Result]] = {}
 
-    async def one(turn: Turn, at: float, before: asyncio.Task[Result] | None) -> Result:
+    async def one(i: int, turn: Turn, at: float, before: asyncio.Task[Result] | None) -> Result:
         if before is not None:
             await before
             await asyncio.sleep(turn.think_s)
         delay = at - (time.perf_counter() - started)
         if delay > 0:
             await asyncio.sleep(delay)
-        res = await send(client, target, model, turn, started)
+        res = await send(client, targets[i % len(targets)], model, turn, started)
         progress.tick()
         return res
 
     tasks = []
-    for turn, at in zip(turns, arrivals(rate, len(turns), seed)):
-        task = asyncio.create_task(one(turn, at, previous.get(turn.conversation) if turn.conversation >= 0 else None))
+    for i, (turn, at) in enumerate(zip(turns, arrivals(rate, len(turns), seed))):
+        before = previous.get(turn.conversation) if turn.conversation >= 0 else None
+        task = asyncio.create_task(one(i, turn, at, before))
         if turn.conversation >= 0:
             previous[turn.conversation] = task
         tasks.append(task)
@@ -204,17 +215,17 @@ async def run_open(target: str, model: str, turns: list[Turn], rate: float, seed
     return results, time.perf_counter() - started
 
 
-async def run_closed(target: str, model: str, turns: list[Turn], concurrency: int,
+async def run_closed(targets: list[str], model: str, turns: list[Turn], concurrency: int,
                      client: httpx.AsyncClient, label: str) -> tuple[list[Result], float]:
     started = time.perf_counter()
     progress = Progress(label, len(turns))
-    queue = list(reversed(turns))
+    queue = list(reversed(list(enumerate(turns))))
     results: list[Result] = []
 
     async def worker() -> None:
         while queue:
-            turn = queue.pop()
-            results.append(await send(client, target, model, turn, started))
+            i, turn = queue.pop()
+            results.append(await send(client, targets[i % len(targets)], model, turn, started))
             progress.tick()
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -302,21 +313,24 @@ def markdown(title: str, rows: list[Summary]) -> str:
 
 def build_workload(args: argparse.Namespace) -> list[Turn]:
     w = args.workload
+    vocab = VOCABULARIES[args.words]
     if w == "shared-prefix":
         return shared_prefix(args.groups, args.prompts_per_group, args.system_tokens, args.question_tokens,
-                             args.output_tokens, args.seed)
+                             args.output_tokens, args.seed, vocab)
     if w == "generated-shared-prefix":  # SGLang's defaults unless given
         return shared_prefix(args.groups or 64, args.prompts_per_group or 16, args.system_tokens or 2048,
-                             args.question_tokens or 128, args.output_tokens or 256, args.seed)
+                             args.question_tokens or 128, args.output_tokens or 256, args.seed, vocab)
     if w == "multi-turn":
         return multi_turn(args.conversations, args.turns, args.system_tokens, args.question_tokens,
-                          args.output_tokens, args.think_s, args.seed)
+                          args.output_tokens, args.think_s, args.seed, vocab)
     return prefix_repetition(args.requests or 256, args.prefixes, args.system_tokens, args.question_tokens,
-                             args.output_tokens, args.seed)
+                             args.output_tokens, args.seed, vocab)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     turns = build_workload(args)
+    targets = [u for u in args.target.split(",") if u]
+    warmup, turns = turns[:args.warmup], turns[args.warmup:]
     if args.requests:
         turns = turns[:args.requests]
     replicas = [u for u in (args.replicas or "").split(",") if u]
@@ -325,14 +339,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits) as client:
         plans: list[tuple[float | None, int | None]] = (
             [(None, args.concurrency)] if args.closed_loop else [(float(r), None) for r in args.rates.split(",")])
+        if warmup:  # not measured: the caches hold what these leave, and the routers know it
+            await run_closed(targets, args.model, warmup, min(8, len(warmup)), client, "warm-up")
         for rate, concurrency in plans:
             before = counters(replicas) if replicas else {}
             label = f"{rate:g} req/s" if rate is not None else f"{concurrency} in flight"
             if rate is not None:
-                results, wall = await run_open(args.target, args.model, turns, rate, args.seed, client, label)
+                results, wall = await run_open(targets, args.model, turns, rate, args.seed, client, label)
             else:
                 assert concurrency is not None
-                results, wall = await run_closed(args.target, args.model, turns, concurrency, client, label)
+                results, wall = await run_closed(targets, args.model, turns, concurrency, client, label)
             hit = None
             served = None
             if replicas:
@@ -348,7 +364,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.load", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="base URL of the router (or of a replica)")
+    p.add_argument("--target", required=True, help="base URL of the router (or of a replica); several, "
+                   "comma-separated, take turns")
+    p.add_argument("--words", choices=sorted(VOCABULARIES), default="syllables", help="prompt words, one token "
+                   "each: syllables for the stand-in's byte mode, tiny-model for the tiny model's tokenizer")
     p.add_argument("--model", default="tiny")
     p.add_argument("--replicas", help="comma-separated replica URLs: the hit rate from their /metrics")
     p.add_argument("--rates", default="1,2,4", help="offered loads in requests/s, one run each (open loop)")
@@ -366,6 +385,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--think-s", type=float, default=1.0, help="multi-turn: pause between an answer and the next turn")
     p.add_argument("--prefixes", type=int, default=8, help="prefix-repetition: distinct prefixes")
+    p.add_argument("--warmup", type=int, default=0, help="send the workload's first N requests first, 8 at a "
+                   "time, unmeasured (with shared-prefix, the number of groups warms every group's prefix)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--out", type=Path, help="write results.json and results.md here")

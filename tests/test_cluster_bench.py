@@ -6,26 +6,52 @@ import sys
 
 import yaml
 
+from loadtest.cluster_bench import update_readme
 
-def test_a_small_cluster_benchmark_writes_its_tables_and_skips_what_is_not_installed(tmp_path):
-    config = {"name": "smoke", "cluster": {"profile": "aurora-pvc-tp2", "replicas": 2, "num_gpu_blocks": 64,
-                                            "time_scale": 0.2},
+
+def test_a_small_mixed_cluster_benchmark_writes_its_tables_and_skips_what_is_not_installed(tmp_path):
+    config = {"name": "smoke", "cluster": {"time_scale": 0.2, "groups": [
+                  {"profile": "aurora-pvc-tp1", "replicas": 1, "num_gpu_blocks": 64},
+                  {"profile": "aurora-pvc-tp2", "replicas": 2, "num_gpu_blocks": 64}]},
               "workload": {"kind": "shared-prefix", "groups": 3, "prompts_per_group": 4, "system_tokens": 256,
                            "question_tokens": 16, "output_tokens": 4},
-              "requests_per_rate": 12, "rates": [0.5, 1.0], "saturation_concurrency": 8,
-              "routers": ["kvroute", "no-such-router"]}
-    routers = {"kvroute": "{python} -m router serve --port {port} {replica_args}",
+              "requests_per_rate": 12, "rates": [0.7, 1.0], "saturation_concurrency": 8,
+              "routers": ["kvroute", "kvroute-redis-2", "no-such-router"]}
+    routers = {"kvroute": "{python} -m router serve --port {port} --config {config}",
+               "kvroute-redis-2": {"command": "{python} -m router serve --port {port} --config {config} --index {redis}",
+                                   "instances": 2},
                "no-such-router": "no-such-router-binary --port {port} {urls}"}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(routers))
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, "-m", "loadtest.cluster_bench", "--config", str(tmp_path / "c.yaml"),
                         "--routers", str(tmp_path / "r.yaml"), "--out", str(out)], capture_output=True, text=True,
-                       timeout=240)
+                       timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads((out / "results.json").read_text())
-    rows = res["results"][0]["rows"]
-    assert res["saturation_rps"] > 0 and len(rows) == 2
-    assert all(r["errors"] == 0 and r["requests"] == 12 and sum(r["share"].values()) == 12 for r in rows)
+    assert res["saturation_rps"] > 0 and [r["router"] for r in res["results"]] == ["kvroute", "kvroute-redis-2"]
+    for r in res["results"]:
+        assert [row["load_fraction"] for row in r["rows"]] == [0.7, 1.0]
+        assert all(row["errors"] == 0 and row["requests"] == 12 and sum(row["share"].values()) == 12
+                   for row in r["rows"])
     assert "no-such-router" in res["skipped"] and "not installed" in res["skipped"]["no-such-router"]
-    assert "| kvroute |" in (out / "results.md").read_text()
+    text = (out / "results.md").read_text()
+    assert "1 x `aurora-pvc-tp1`" in text and "| kvroute-redis-2 | 70% |" in text and "Targets:" in text
+    # kvroute was told each replica's platform and tensor-parallel size
+    replicas = yaml.safe_load((out / "logs" / "kvroute-kvroute.yaml").read_text())["replicas"]
+    assert [(r["platform"], r["tensor_parallel_size"]) for r in replicas] == [("aurora-pvc", 1), ("aurora-pvc", 2),
+                                                                              ("aurora-pvc", 2)]
+    # both instances routed requests (6 each of the last rate's 12), through one Redis
+    logs = [(out / "logs" / f"router-kvroute-redis-2-{i}.log").read_text() for i in range(2)]
+    assert all("Redis at redis://127.0.0.1" in log and log.count("/v1/chat/completions tiny -> ") >= 6 for log in logs)
+
+
+def test_a_runs_section_of_the_readme_is_replaced_between_its_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# Title\n\ntext\n")
+    update_readme(readme, "default", "first table")
+    update_readme(readme, "other", "another")
+    update_readme(readme, "default", "second table")
+    body = readme.read_text()
+    assert body.count("<!-- cluster-bench:default -->") == 1 and "second table" in body and "first table" not in body
+    assert body.index("second table") < body.index("another") and body.startswith("# Title\n\ntext\n")

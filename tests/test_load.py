@@ -46,3 +46,21 @@ def test_an_open_loop_run_through_a_router_reports_latencies_hit_rate_and_shares
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] <= r["ttft_p99_ms"]
         assert 0 < r["hit_rate"] < 1 and sum(r["share"].values()) == 40 and len(r["share"]) == 2
     assert "| 20 req/s |" in out["markdown"]
+
+
+def test_several_targets_take_turns(cluster):
+    sims = [cluster.sim("--engine", "--block-size", "16", "--step-base-ms", "1") for _ in range(2)]
+    urls = ",".join(s.url for s in sims)
+    args = load.parser().parse_args(["--target", urls, "--replicas", urls, "--rates", "50", "--requests", "10",
+                                     "--groups", "2", "--prompts-per-group", "5", "--system-tokens", "32",
+                                     "--question-tokens", "4", "--output-tokens", "2"])
+    row = load.asyncio.run(load.run(args))["rows"][0]
+    assert row["errors"] == 0 and sorted(row["share"].values()) == [5, 5]
+
+
+def test_the_tiny_model_vocabulary_makes_one_token_per_word(tmp_path):
+    from loadtest.tiny_model import write_tokenizer
+    from router.tokenizer import LocalTokenizer
+    tok = LocalTokenizer(write_tokenizer(tmp_path / "tiny"))
+    text = load.words(load.random.Random(3), 300, load.VOCABULARIES["tiny-model"])
+    assert len(tok.encode(text)) in (300, 301)  # and the beginning-of-sequence token, if the tokenizer adds it
