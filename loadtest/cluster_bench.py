@@ -62,19 +62,21 @@ class RouterSpec:
                                    urls=" ".join(urls), replica_args=" ".join(f"--replica {u}" for u in urls),
                                    config=shlex.quote(str(fleet.config_path)), redis=redis)
         argv = shlex.split(text)
-        beside = Path(sys.executable).parent / argv[0]  # installed in this environment, not on PATH
-        if shutil.which(argv[0]) is None and beside.exists():
-            argv[0] = str(beside)
+        argv[0] = _executable(argv[0]) or argv[0]
         return argv
 
     def installed(self) -> str | None:
         """The executable's name when it is missing."""
         exe = shlex.split(self.command)[0]
-        if exe.startswith("{python}"):
-            return None
-        if shutil.which(exe) is None and not (Path(sys.executable).parent / exe).exists():
-            return exe
-        return None
+        return None if exe.startswith("{python}") or _executable(exe) else exe
+
+
+def _executable(name: str) -> str | None:
+    """``name`` on PATH, or installed beside this Python (in its environment, not on PATH); None when neither."""
+    if shutil.which(name):
+        return name
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else None
 
 
 @dataclass
@@ -270,12 +272,10 @@ def verdicts(results: list[dict[str, Any]], mixed: bool = False) -> list[str]:
                    f"(target >= 1: {'met' if ratio >= 0.995 else 'NOT met'}).")
     errors = sum(r["errors"] for r in ours["rows"])
     worst = max((r["max_mean_share"] or 0.0) for r in ours["rows"])
-    if mixed:  # unlike replicas should not get like shares
-        out.append(f"- kvroute: {errors} errors over all rates (target 0); max/mean requests per replica at most "
-                   f"{worst:.2f} (a mixed fleet: shares should follow capacity, the 1.3 target is for like replicas).")
-    else:
-        out.append(f"- kvroute: {errors} errors over all rates (target 0); max/mean requests per replica at most "
-                   f"{worst:.2f} (target <= 1.3: {'met' if worst <= 1.3 else 'NOT met'}).")
+    share = ("a mixed fleet: shares should follow capacity, the 1.3 target is for like replicas" if mixed
+             else f"target <= 1.3: {'met' if worst <= 1.3 else 'NOT met'}")  # unlike replicas get unlike shares
+    out.append(f"- kvroute: {errors} errors over all rates (target 0); max/mean requests per replica at most "
+               f"{worst:.2f} ({share}).")
     return out
 
 
@@ -286,8 +286,7 @@ def report(cfg: dict[str, Any], sat: float, results: list[dict[str, Any]], skipp
              f"{cfg['requests_per_rate']} requests per rate; saturation measured at {sat:.2f} requests/s. "
              f"Reproduce: `python -m loadtest.cluster_bench --config {cfg['_path']}`.", ""]
     lines += ["| router | load | offered req/s | achieved req/s | output tok/s | TTFT p50 / p90 / p99 ms | "
-              "ITL p50 ms | "
-              "hit rate | max/mean share | errors |", "|" + "---|" * 10]
+              "ITL p50 ms | hit rate | max/mean share | errors |", "|" + "---|" * 10]
     for res in results:
         for r in res["rows"]:
             lines.append(f"| {res['router']} | {r['load_fraction']:.0%} | {r['offered_rate']:.2f} | "
