@@ -217,7 +217,7 @@ class Engine:
                  frontend_s: float = 0.0) -> None:
         self.block_size = block_size
         # seconds a request spends in the API server before the engine sees it (parsing, tokenizing, handing it
-        # over) and its first token after: part of its time to first token, not of any engine step
+        # over): part of its time to first token, not of any engine step (the stand-in waits it out before add)
         self.frontend_s = frontend_s
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -7,8 +7,8 @@
 Open loop (default): requests start at Poisson arrival times at each offered rate (requests/s),
 whatever the answers do, so queueing shows as it would with independent users. ``--closed-loop
 --concurrency C`` keeps C requests in flight instead. The request sequence is seeded: every target
-gets the same prompts in the same order. ``--warmup N`` sends the sequence's first N requests first, unmeasured
-(steady state instead of empty caches).
+gets the same prompts in the same order. ``--warmup N`` sends the sequence's first N requests first,
+unmeasured (steady state instead of empty caches).
 
 Workloads, each with the parameters of the tool it comes from, so that results compare:
 
@@ -22,11 +22,10 @@ Workloads, each with the parameters of the tool it comes from, so that results c
 
 Lengths are in tokens: of the stand-in replica's byte mode by default (4 bytes per token: three
 letters and a space), of the tiny model's tokenizer with ``--words tiny-model``; against another
-model they are approximate. ``--target`` takes several routers, comma-separated, in turn. Reported per
-rate: time to first token
-p50/p90/p99, inter-token latency p50/p90, end-to-end latency p50/p90, output tokens/s, requests/s
-achieved, errors, each replica's share of the requests (``x-kvroute-replica``), and with
-``--replicas`` the prefix-cache hit rate by the replicas' own counters.
+model they are approximate. ``--target`` takes several routers, comma-separated, in turn. Reported
+per rate: time to first token p50/p90/p99, inter-token latency p50/p90, end-to-end latency p50/p90,
+output tokens/s, requests/s achieved, errors, each replica's share of the requests
+(``x-kvroute-replica``), and with ``--replicas`` the prefix-cache hit rate by the replicas' own counters.
 """
 
 from __future__ import annotations
@@ -54,6 +53,8 @@ VOCABULARIES = {
     # one token each for the tiny model's tokenizer (loadtest/tiny_model.py): a space and a word it learned
     "tiny-model": [" " + w for w in WORDS],
 }
+
+
 def words(rng: random.Random, tokens: int, vocabulary: list[str] = SYLLABLES) -> str:
     """``tokens`` tokens: words of ``vocabulary`` (one of ``VOCABULARIES``), each one token."""
     return "".join(rng.choice(vocabulary) for _ in range(tokens))

@@ -626,8 +626,6 @@ class VLLMSimulator:
         ]
         for reason, n in (("stop", 0), ("length", c.completed), ("abort", c.aborted), ("error", c.failed)):
             lines.append(f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="{self.model}"}} {float(n)}')
-        lines += [
-        ]
         if e is not None:
             h = e.ttft
             lines += ["# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
