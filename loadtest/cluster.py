@@ -54,8 +54,11 @@ class Proc:
     port: int
     env: dict[str, str] | None = None
     log_path: Path | None = None
-    # own process group: stop() and kill() reach the children too (vLLM runs an engine process)
-    group: bool = False
+    # Own session and process group: stop() and kill() reach the children too (vLLM runs an engine
+    # process), and the kernel's autogroup scheduler gives the process its own CPU share, as a service
+    # on its own would have. Left in the caller's session, a router shares one share with the test or
+    # load generator that drives it: on 2 cores beside busy vLLM replicas it then waited seconds for a core.
+    group: bool = True
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property

@@ -36,26 +36,29 @@ def model_dir(home: Path) -> Path:
     return home / "tiny-llama"
 
 
-def replica(home: Path, port: int | None = None, num_gpu_blocks: int = 64, block_size: int = 128,
+def replica(home: Path, port: int | None = None, num_gpu_blocks: int | None = 64, block_size: int = 128,
             log_dir: Path | None = None, name: str | None = None, max_num_seqs: int = 16, max_model_len: int = 4096,
             extra: tuple[str, ...] = (), dev_mode: bool = False) -> Proc:
     """A vLLM replica serving the tiny model as ``tiny`` (not started).
 
     ``dev_mode`` enables vLLM's development endpoints, such as ``POST /reset_prefix_cache``.
+    ``num_gpu_blocks=None`` lets vLLM size its cache from the KV space (1 GiB).
     """
     port = port or free_port()
     name = name or f"vllm-{port}"
     argv = [str(home / "venv" / "bin" / "vllm"), "serve", str(model_dir(home)), "--served-model-name", MODEL_NAME,
             "--host", "127.0.0.1", "--port", str(port), "--block-size", str(block_size),
             "--enable-prefix-caching", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-            "--num-gpu-blocks-override", str(num_gpu_blocks), "--disable-uvicorn-access-log", *extra]
+            "--disable-uvicorn-access-log", *extra]
+    if num_gpu_blocks is not None:
+        argv += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
            # several replicas share 2 cores: no pinning to one core each, one thread each
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
-    return Proc(name, argv, port, env=env, log_path=(log_dir / f"{name}.log") if log_dir else None, group=True)
+    return Proc(name, argv, port, env=env, log_path=(log_dir / f"{name}.log") if log_dir else None)
 
 
 def kv_events_args(port: int | None = None, replay_port: int | None = None) -> tuple[str, ...]:
