@@ -1,9 +1,10 @@
-"""``kvroute`` command line: ``serve``, ``check-config``, ``config-reference``."""
+"""``kvroute`` command line: ``serve``, ``check-config``, ``config-reference``, ``plan``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any, Sequence
 
@@ -42,7 +43,69 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate the configuration and print it (keys masked)")
     config_flags(check)
     sub.add_parser("config-reference", help="print the configuration reference (Markdown table)")
+    plan_flags(sub.add_parser("plan", help="size replicas for a model on a platform: KV blocks, TP, the kvroute "
+                                          "config and the vllm serve commands",
+                              description="From a model's config.json (a local file or folder; never downloaded) "
+                                          "and a target, compute weights, KV bytes per token, the tensor-parallel "
+                                          "sizes that fit, KV blocks per replica and replicas per node; print a "
+                                          "table, a kvroute configuration and each replica's vllm serve command."))
     return p
+
+
+def plan_flags(sp: argparse.ArgumentParser) -> None:
+    from .plan import PLATFORMS
+
+    sp.add_argument("model", help="config.json, or the model's folder (safetensors headers give the exact weights)")
+    sp.add_argument("--platform", required=True, choices=sorted(PLATFORMS))
+    sp.add_argument("--nodes", type=int, default=1, help="nodes to fill (default: 1)")
+    sp.add_argument("--max-model-len", type=int, default=8192, help="vLLM's --max-model-len (default: 8192)")
+    sp.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="weights (default: bf16)")
+    sp.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                    help="KV cache elements: auto = 2 bytes (bf16), fp8 = 1 byte")
+    sp.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's (default: 0.9)")
+    sp.add_argument("--tp", type=int, help="only this tensor-parallel size")
+    sp.add_argument("--block-size", type=int, help="KV block size (default: the platform's)")
+    sp.add_argument("--device-memory-gb", type=float, help="memory per device (default: the platform's)")
+    sp.add_argument("--reserve-gb", type=float,
+                    help="per device for activations and graphs (default: 4 on Gaudi, 2 elsewhere, 0 on cpu)")
+    sp.add_argument("--kv-cache-space-gib", type=float, default=4.0, help="cpu: VLLM_CPU_KVCACHE_SPACE (default: 4)")
+    sp.add_argument("--seq-len", type=int, help="typical prompt + output tokens, for max_num_seqs "
+                                                "(default: a quarter of --max-model-len)")
+    sp.add_argument("--min-full-sequences", type=int, default=4,
+                    help="full-length sequences a replica must hold to be chosen (default: 4)")
+    sp.add_argument("--base-port", type=int, default=8100, help="first replica's port on each node (default: 8100)")
+    sp.add_argument("--format", choices=("text", "json"), default="text")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from . import plan as planner
+
+    target = planner.Target(
+        platform=args.platform, nodes=args.nodes, max_model_len=args.max_model_len, dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization, tp=args.tp,
+        block_size=args.block_size, device_memory_gb=args.device_memory_gb, kv_cache_space_gib=args.kv_cache_space_gib,
+        reserve_gb=args.reserve_gb, seq_len=args.seq_len, min_full_sequences=args.min_full_sequences)
+    try:
+        p = planner.plan(args.model, target)
+    except planner.PlanError as e:
+        sys.stderr.write(f"kvroute plan: {e}\n")
+        return 2
+    commands = planner.serve_commands(p, base_port=args.base_port) if p.chosen is not None else []
+    config = planner.kvroute_config(p, args.base_port) if p.chosen is not None else None
+    if args.format == "json":
+        sys.stdout.write(json.dumps(planner.as_dict(p, config, commands), indent=2) + "\n")
+        return 0 if p.chosen is not None else 1
+    sys.stdout.write(planner.table(p) + "\n")
+    if p.chosen is None:
+        return 1
+    sys.stdout.write("\n# kvroute.yaml (NODE-i: each node's address)\n")
+    sys.stdout.write(yaml.safe_dump(config, sort_keys=False))
+    sys.stdout.write("\n# on each node, one line per replica\n")
+    for env, argv in commands:
+        sys.stdout.write(planner.shell(env, argv) + "\n")
+    return 0
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -88,6 +151,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config-reference":
         sys.stdout.write(reference() + "\n")
         return 0
+    if args.command == "plan":
+        try:
+            return run_plan(args)
+        except BrokenPipeError:  # the reader (head, less) has what it wanted
+            sys.stdout = open(os.devnull, "w")
+            return 0
     try:
         config = load(args)
         from .workers import check

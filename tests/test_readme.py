@@ -15,12 +15,15 @@ def test_config_reference_in_readme_matches_the_code():
     assert block == out
 
 
-def test_every_flag_of_serve_is_documented():
-    help_text = subprocess.run([sys.executable, "-m", "router", "serve", "--help"], capture_output=True, text=True,
+def undocumented_flags(command: str) -> list[str]:
+    help_text = subprocess.run([sys.executable, "-m", "router", command, "--help"], capture_output=True, text=True,
                                check=True).stdout
     flags = set(re.findall(r"(--[a-z][a-z-]+)", help_text)) - {"--help"}
-    missing = [f for f in flags if f"`{f}" not in README]
-    assert not missing, missing
+    return sorted(f for f in flags if f"`{f}" not in README)
+
+
+def test_every_flag_of_serve_is_documented():
+    assert not undocumented_flags("serve")
 
 
 def test_every_metric_is_documented():
@@ -28,3 +31,7 @@ def test_every_metric_is_documented():
     names = {m.name for m in Metrics().registry.collect()}
     missing = [n for n in names if n not in README and n + "_total" not in README]
     assert not missing, missing
+
+
+def test_every_flag_of_plan_is_documented():
+    assert not undocumented_flags("plan")
