@@ -745,6 +745,8 @@ def parser() -> argparse.ArgumentParser:
                  "stall_after_chunks"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(Faults(), name))
     p.add_argument("--hang", action="store_true")
+    p.add_argument("--warmup-s", type=float, default=0.0, help="seconds before the server listens (a Gaudi replica "
+                   "compiles its graphs before it binds its port: connections are refused meanwhile)")
     return p
 
 
@@ -761,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
                        step_context_ns_per_token=c.context_s_per_token * 1e9, frontend_ms=prof.frontend_s * 1e3,
                        step_prefill_base_ms=c.prefill_base_s * 1e3)
     args = p.parse_args(argv)
+    if args.warmup_s > 0:
+        time.sleep(args.warmup_s)
     apps = [build(args, i) for i in range(args.replicas)]
     import uvicorn
 

@@ -134,6 +134,9 @@ class HealthConfig(_Model):
     fail_threshold: int = Field(2, ge=1, description="consecutive failed checks that make a ready replica unready")
     rise_threshold: int = Field(2, ge=1, description="consecutive good checks that bring an ejected replica back")
     metrics_interval_s: float = Field(1.0, gt=0, description="seconds between scrapes of a replica's /metrics")
+    startup_timeout_s: float = Field(900.0, gt=0, description="a replica not yet ready this long after it was added "
+                                     "is reported as failed to start; until then it is starting, not failing (Gaudi "
+                                     "warm-ups take up to ~10 minutes)")
 
 
 class ProxyConfig(_Model):

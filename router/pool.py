@@ -57,6 +57,8 @@ class Replica:
         self.successes = 0
         self.last_error: str | None = None
         self.restarts = 0
+        self.added_at = time.monotonic()  # starting since then (warm-up)
+        self.failed_to_start: str | None = None
         # (name, value) pairs for the health checks (httpx), the same as header lines for the proxy
         self.upstream_headers: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {config.api_key.get_secret_value()}"),) if config.api_key else ())
@@ -138,6 +140,7 @@ class Replica:
                 "start_time": s.start_time,
                 "scraped_at": self.stats_at,
             },
+            "failed_to_start": self.failed_to_start,
             "consecutive_failures": self.fails,
             "last_error": self.last_error,
             "restarts": self.restarts,
@@ -241,7 +244,13 @@ class ReplicaPool:
         r.successes = 0
         r.fails += 1
         r.last_error = reason
-        # a replica that never answered stays "starting" (Gaudi warm-up takes minutes)
+        if r.state == "starting":
+            # A replica that never answered is warming up (Gaudi compiles its graphs for minutes before it
+            # listens): nothing to report until health.startup_timeout_s has passed.
+            waited = time.monotonic() - r.added_at
+            if waited >= self.health.startup_timeout_s:
+                self._failed_to_start(r, reason, waited)
+            return
         if r.state != "ready" or (not immediate and r.fails < self.health.fail_threshold):
             return
         r.state = "unready"
@@ -250,6 +259,14 @@ class ReplicaPool:
         log.warning("replica %s is unready: %s", r.name, reason, extra={"replica": r.name})
         self.events.publish(ReplicaUnready(r.name, reason))
 
+    def _failed_to_start(self, r: Replica, reason: str, waited: float) -> None:
+        r.state = "unready"
+        r.failed_to_start = f"did not become ready within {self.health.startup_timeout_s:g} s (last: {reason})"
+        r.view = r.make_view()
+        log.warning("replica %s failed to start: not ready %.0f s after it was added (health.startup_timeout_s); "
+                    "last check: %s", r.name, waited, reason, extra={"replica": r.name})
+        self.events.publish(ReplicaUnready(r.name, r.failed_to_start))
+
     def mark_success(self, r: Replica) -> None:
         r.fails = 0
         r.successes += 1
@@ -257,6 +274,7 @@ class ReplicaPool:
         if r.state == "starting" or (r.state == "unready" and r.successes >= self.health.rise_threshold):
             # a replica seen down and back may be a new process: its /metrics start time tells
             r.state = "ready"
+            r.failed_to_start = None
             r.view = r.make_view()
             r.m_ready.set(1)
             log.info("replica %s is ready (models: %s)", r.name, ", ".join(sorted(r.models)) or "-",
