@@ -37,6 +37,7 @@ from .kv_events.feed import EventFeed
 from .kv_events.lease import Lease
 from .keys import PromptKeys
 from .load import HostShare, LoadTable
+from .membership import Membership, MembershipError
 from .metrics import Metrics
 from .policy import build_policy
 from .pool import ReplicaPool
@@ -66,7 +67,8 @@ class Gateway:
         self.events = EventBus()
         self.policy = build_policy(config.policy, config.cache_aware)
         # several workers share load (router.workers.check vetted the set-up)
-        self.load = LoadTable([r.name for r in config.replicas], self.metrics, share, worker)
+        self.load = LoadTable([r.name for r in config.replicas], self.metrics, share, worker,
+                              capacity=config.membership.max_replicas)
         self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.load, self.events,
                                 default_blocks=config.index.default_blocks)
         index: PreciseIndex | None = None
@@ -88,10 +90,11 @@ class Gateway:
         self.admission = Admission(self.policy, self.load, self.pool.views, self.pool.view_of, config.queue,
                                    self.metrics, self.events)
         self.router = Router(self.pool, self.load, self.policy, self.admission,
-                             build_sessions(config.index, config.sessions, self.metrics, share, self.load.names),
+                             build_sessions(config.index, config.sessions, self.metrics, share, self.load),
                              self.metrics, self.events,
                              index=index, keys=keys)
         self.forwarder = Forwarder(self.router, self.pool, config.proxy, self.metrics)
+        self.membership = Membership(config, self.pool)
         self.auth = Auth(config.auth)
         self.started = time.time()
 
@@ -232,6 +235,7 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
         await gw.router.start()
         if gw.feed is not None:
             await gw.feed.start()
+        await gw.membership.start()  # replicas registered before (Redis, replicas_file) join now
         # What exists now lives as long as the process: keep the collector from re-scanning it.
         gc.collect()
         gc.freeze()
@@ -239,6 +243,7 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
         try:
             yield
         finally:
+            await gw.membership.close()
             if gw.feed is not None:
                 await gw.feed.close()
             await gw.router.close()
@@ -308,6 +313,7 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
 
     def _describe(r: Any) -> dict[str, Any]:
         out = gw.pool.describe(r)
+        out.update(gw.membership.describe(r.name))
         index = gw.router.index
         if index is not None:
             events = gw.feed.describe(r.name) if gw.feed is not None else None
@@ -315,6 +321,37 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
                             "event_blocks_held": index.held_blocks(r.name),
                             "events": events}
         return out
+
+    def _membership_error(e: MembershipError) -> GatewayError:
+        kind, code = {400: ("invalid_request_error", "invalid_replica"), 404: ("not_found_error", "not_found"),
+                      409: ("invalid_request_error", "conflict")}.get(e.status, ("service_unavailable", "unavailable"))
+        return GatewayError(e.status, str(e), kind, code)
+
+    @app.post("/admin/replicas")
+    async def admin_register(request: Request) -> Response:
+        _admin(request)
+        body = await request.body()
+        if len(body) > 64 * 1024:
+            raise errors.too_large(64 * 1024)
+        try:
+            data = orjson.loads(body)
+        except ValueError as e:
+            raise errors.bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        try:
+            cfg = await gw.membership.register(data)
+        except MembershipError as e:
+            raise _membership_error(e) from None
+        return JSONResponse(_describe(gw.pool.replicas[cfg.name]), status_code=201)
+
+    @app.delete("/admin/replicas/{name}")
+    async def admin_deregister(name: str, request: Request) -> Response:
+        _admin(request)
+        try:
+            await gw.membership.deregister(name)
+        except MembershipError as e:
+            raise _membership_error(e) from None
+        r = gw.pool.get(name)
+        return JSONResponse(_describe(r) if r is not None else {"name": name, "removed": True}, status_code=202)
 
     @app.post("/admin/replicas/{name}/drain")
     async def admin_drain(name: str, request: Request) -> Response:
@@ -327,6 +364,8 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
     async def admin_undrain(name: str, request: Request) -> Response:
         _admin(request)
         r = _replica(name)
+        if gw.membership.describe(name).get("removing"):
+            raise GatewayError(409, f"replica {name!r} is being removed", "invalid_request_error", "conflict")
         gw.pool.set_drained(r, False)
         return JSONResponse(_describe(r))
 

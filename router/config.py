@@ -254,6 +254,15 @@ class AuthConfig(_Model):
     admin_key: SecretStr | None = Field(None, description="bearer key for /admin; unset = /admin from loopback only")
 
 
+class MembershipConfig(_Model):
+    max_replicas: int = Field(256, ge=1, le=4096, description="replicas this router holds at once, configured and "
+                              "added at run time (POST /admin/replicas, replicas_file, other routers through Redis)")
+    sync_interval_s: float = Field(2.0, gt=0, description="seconds between reads of replicas_file and, with a Redis "
+                                   "index, of the replicas registered through any router")
+    drain_timeout_s: float = Field(600.0, ge=0, description="a replica being removed takes no new requests and is "
+                                   "removed when its last one ends, or after this long")
+
+
 class LogConfig(_Model):
     level: Literal["debug", "info", "warning", "error"] = Field("info", description="debug, info, warning or error")
     json_format: bool = Field(False, alias="json", description="one JSON object per line")
@@ -280,6 +289,9 @@ class RouterConfig(_Model):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight streams may finish")
+    replicas_file: str | None = Field(None, description="a YAML or JSON file listing more replicas (the fields of "
+                                      "replicas[]), read again when it changes: added ones join, missing ones drain")
+    membership: MembershipConfig = Field(default_factory=MembershipConfig)
 
     @field_validator("policy")
     @classmethod
@@ -295,6 +307,9 @@ class RouterConfig(_Model):
             if r.name in seen:
                 raise ValueError(f"replica name {r.name!r} is used twice")
             seen.add(r.name)
+        if len(self.replicas) > self.membership.max_replicas:
+            raise ValueError(f"{len(self.replicas)} replicas configured, membership.max_replicas is "
+                             f"{self.membership.max_replicas}")
         return self
 
 
@@ -313,6 +328,23 @@ def _format_validation_error(err: ValidationError) -> str:
             shown = ""
         lines.append(f"  {loc}: {msg}{shown}")
     return "invalid configuration:\n" + "\n".join(lines)
+
+
+def replica_from(data: Any, where: str) -> ReplicaConfig:
+    """One replica entry (an admin request's body, a replicas_file item), checked like the configuration's;
+    the error names each invalid field under ``where``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid replica:\n  {where}: expected an object with url and the replicas[] fields")
+    try:
+        return ReplicaConfig.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in (where, *err["loc"]))
+            got = err.get("input")
+            shown = "" if isinstance(got, (dict, list)) or got is None or "api_key" in loc else f" (got {got!r:.80})"
+            lines.append(f"  {loc}: {err['msg'].removeprefix('Value error, ')}{shown}")
+        raise ConfigError("invalid replica:\n" + "\n".join(lines)) from None
 
 
 def parse_replica_spec(spec: str) -> dict[str, Any]:

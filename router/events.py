@@ -30,7 +30,16 @@ class ReplicaRestarted:
 
 
 @dataclass(frozen=True)
+class ReplicaAdded:
+    """A replica joined at run time (admin API, replicas_file, another router through Redis)."""
+
+    replica: str
+
+
+@dataclass(frozen=True)
 class ReplicaRemoved:
+    """The replica is being removed (drained first): forget what it held. Published while it is still in the pool."""
+
     replica: str
 
 
@@ -42,7 +51,7 @@ class ReplicaModels:
     models: tuple[tuple[str, str | None], ...]
 
 
-Event = Union[ReplicaReady, ReplicaUnready, ReplicaRestarted, ReplicaRemoved, ReplicaModels]
+Event = Union[ReplicaReady, ReplicaUnready, ReplicaRestarted, ReplicaAdded, ReplicaRemoved, ReplicaModels]
 Listener = Callable[[Event], None]
 
 

@@ -7,7 +7,11 @@ and scorers see these figures only through :class:`~router.view.ReplicaView`.
 
 With several worker processes on one host (``kvroute serve --workers N``) the figures live in
 memory shared by the workers: a table with one row per worker and one column per replica, in
-which each worker writes only its own row and readers sum the rows. Taking a slot checks the
+which each worker writes only its own row and readers sum the rows. The table has room for
+``capacity`` replicas: those of the configuration and those added at run time. A replica's column
+is found by a digest of its name, written in shared memory when the first worker adds it, so every
+worker uses the same column; it is given back when the replica is removed and nothing is in flight
+there. Taking a slot checks the
 host's total under a lock shared by the workers (held for a few microseconds; a worker that
 cannot get it within 2 ms treats the replica as full for now), so N workers never put more than
 ``max_num_seqs`` requests on a replica between two scrapes. With one worker the table is a
@@ -16,6 +20,7 @@ plain list and takes no lock.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import multiprocessing
 from typing import Any, Sequence
@@ -26,6 +31,16 @@ _INFLIGHT, _PENDING, _PEAK = 0, 1, 2
 _FIELDS = 3
 _LOCK_WAIT_S = 0.002
 SESSION_SLOT_BYTES = 24  # 16-byte session digest, 4-byte replica number (+1; 0 = empty), 4 spare
+_DIGEST = 16  # bytes of a replica name's digest, per column
+_FREE = bytes(_DIGEST)
+
+
+class TableFull(Exception):
+    """Every column of the load table is taken (``membership.max_replicas``)."""
+
+
+def _digest(name: str) -> bytes:
+    return hashlib.blake2b(name.encode(), digest_size=_DIGEST).digest()
 
 
 class HostShare:
@@ -37,9 +52,10 @@ class HostShare:
 
     def __init__(self, workers: int, replicas: int, session_slots: int = 0) -> None:
         self.workers = workers
-        self.replicas = max(1, replicas)
+        self.replicas = max(1, replicas)  # columns: configured replicas and room for ones added at run time
         # MAP_SHARED | MAP_ANONYMOUS: the forked workers see the same pages
         self.buffer = mmap.mmap(-1, (workers * _FIELDS + 1) * self.replicas * 8)
+        self.columns = mmap.mmap(-1, self.replicas * _DIGEST)  # column -> digest of its replica's name
         self.session_slots = session_slots
         self.sessions = mmap.mmap(-1, max(1, session_slots) * SESSION_SLOT_BYTES)
         self.lock = multiprocessing.get_context("fork").Lock()
@@ -47,28 +63,102 @@ class HostShare:
 
 class LoadTable:
     def __init__(self, names: Sequence[str], metrics: Metrics, share: HostShare | None = None,
-                 worker: int = 0) -> None:
-        self.names = list(names)
-        width = len(self.names) * _FIELDS
+                 worker: int = 0, capacity: int | None = None) -> None:
+        self.metrics = metrics
+        self.capacity = share.replicas if share is not None else max(1, capacity or len(names))
+        if len(names) > self.capacity:
+            raise ValueError(f"the load table has room for {self.capacity} replicas, not {len(names)}")
+        self.width = self.capacity * _FIELDS
         if share is not None:
-            if len(self.names) > share.replicas:
-                raise ValueError(f"the shared load table has room for {share.replicas} replicas, not {len(names)}")
-            width = share.replicas * _FIELDS
             self._cells: Any = memoryview(share.buffer).cast("q")
+            self._columns: Any = share.columns
             self._lock: Any = share.lock
             self.workers = share.workers
         else:
-            self._cells = [0] * (width + len(self.names))
+            self._cells = [0] * (self.width + self.capacity)
+            self._columns = bytearray(self.capacity * _DIGEST)
             self._lock = None
             self.workers = 1
         self.worker = worker
+        self.names: list[str] = []
+        self._column: dict[str, int] = {}
+        self._by_column: dict[int, str] = {}
         # per replica: offset of its cells in this worker's row, and in every row
-        self._own = {n: worker * width + i * _FIELDS for i, n in enumerate(self.names)}
-        self._rows = {n: tuple(w * width + i * _FIELDS for w in range(self.workers)) for i, n in enumerate(self.names)}
-        self._drained = {n: self.workers * width + i for i, n in enumerate(self.names)}
-        self._m_inflight = {n: metrics.inflight.labels(n) for n in self.names}
-        for n in self.names:
-            self._m_inflight[n].set(0)
+        self._own: dict[str, int] = {}
+        self._rows: dict[str, tuple[int, ...]] = {}
+        self._drained: dict[str, int] = {}
+        self._m_inflight: dict[str, Any] = {}
+        for n in names:
+            self.add(n)
+
+    # -- columns -----------------------------------------------------------------------------
+
+    def add(self, name: str) -> None:
+        """Give ``name`` its column (the one other workers use for it, if they have it already)."""
+        if name in self._column:
+            return
+        col = self._claim(_digest(name))
+        self.names.append(name)
+        self._column[name] = col
+        self._by_column[col] = name
+        self._own[name] = self.worker * self.width + col * _FIELDS
+        self._rows[name] = tuple(w * self.width + col * _FIELDS for w in range(self.workers))
+        self._drained[name] = self.workers * self.width + col
+        self._m_inflight[name] = self.metrics.inflight.labels(name)
+        self._m_inflight[name].set(self.inflight(name))
+
+    def remove(self, name: str) -> None:
+        """Forget ``name``; its column is free again once no worker has a request there."""
+        col = self._column.pop(name, None)
+        if col is None:
+            return
+        idle = self.inflight(name) == 0
+        self.names.remove(name)
+        del self._by_column[col], self._own[name], self._rows[name], self._drained[name], self._m_inflight[name]
+        if idle:
+            self._locked(lambda: self._free(col))
+
+    def number(self, name: str) -> int | None:
+        """A number for ``name`` that every worker of this host shares (its column, from 1)."""
+        col = self._column.get(name)
+        return None if col is None else col + 1
+
+    def name_of(self, number: int) -> str | None:
+        return self._by_column.get(number - 1)
+
+    def _locked(self, fn: Any) -> Any:
+        if self._lock is None:
+            return fn()
+        with self._lock:
+            return fn()
+
+    def _claim(self, digest: bytes) -> int:
+        def claim() -> int:
+            cols = self._columns
+            free = None
+            for col in range(self.capacity):
+                held = bytes(cols[col * _DIGEST:(col + 1) * _DIGEST])
+                if held == digest:
+                    return col
+                if held == _FREE and free is None:
+                    free = col
+            if free is None:
+                raise TableFull(f"no room for another replica: the load table holds {self.capacity} "
+                                f"(membership.max_replicas)")
+            self._clear(free)
+            cols[free * _DIGEST:(free + 1) * _DIGEST] = digest
+            return free
+        return self._locked(claim)
+
+    def _free(self, col: int) -> None:
+        if all(self._cells[w * self.width + col * _FIELDS] == 0 for w in range(self.workers)):
+            self._columns[col * _DIGEST:(col + 1) * _DIGEST] = _FREE
+
+    def _clear(self, col: int) -> None:
+        for w in range(self.workers):
+            for f in range(_FIELDS):
+                self._cells[w * self.width + col * _FIELDS + f] = 0
+        self._cells[self.workers * self.width + col] = 0
 
     # -- slots -------------------------------------------------------------------------------
 
@@ -99,13 +189,18 @@ class LoadTable:
         return True
 
     def release(self, name: str) -> None:
-        self._cells[self._own[name]] -= 1
+        i = self._own.get(name)
+        if i is None:  # removed while the request ran (its drain timed out)
+            return
+        self._cells[i] -= 1
         self._m_inflight[name].dec()
 
     # -- pending prefill ---------------------------------------------------------------------
 
     def add_pending(self, name: str, tokens: int) -> None:
-        self._cells[self._own[name] + _PENDING] += tokens
+        i = self._own.get(name)
+        if i is not None:
+            self._cells[i + _PENDING] += tokens
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -127,6 +127,18 @@ class Metrics:
                 self._children[key] = child
         return child
 
+    def forget_replica(self, name: str) -> None:
+        """Drop every series labelled with replica ``name`` (it was removed: its labels must not pile up)."""
+        for metric in list(self.__dict__.values()):
+            labelnames = getattr(metric, "_labelnames", ())
+            if "replica" not in labelnames:
+                continue
+            at = labelnames.index("replica")
+            for labels in list(getattr(metric, "_metrics", {})):
+                if labels[at] == name:
+                    metric.remove(*labels)
+        self._children = {k: v for k, v in self._children.items() if name not in k[1]}
+
     def render(self) -> bytes:
         if self._multiprocess_dir:
             from prometheus_client import multiprocess

@@ -23,7 +23,8 @@ from typing import Any, Iterator, Literal
 import httpx
 
 from .config import HealthConfig, IndexConfig, PLATFORMS, ProxyConfig, ReplicaConfig
-from .events import EventBus, ReplicaModels, ReplicaReady, ReplicaRestarted, ReplicaUnready
+from .events import (EventBus, ReplicaAdded, ReplicaModels, ReplicaReady, ReplicaRemoved, ReplicaRestarted,
+                     ReplicaUnready)
 from .load import LoadTable
 from .metrics import Metrics
 from .replica_metrics import ReplicaStats, parse_metrics
@@ -167,27 +168,38 @@ class ReplicaPool:
         self.load = load
         self.metrics = metrics
         self.events = events or EventBus()
+        self.proxy = proxy
+        self.default_blocks = default_blocks
+        # two connections per replica at most (health checks, then scrapes); replicas may join at run time
         self._control = httpx.AsyncClient(
             timeout=httpx.Timeout(health.timeout_s, connect=min(health.timeout_s, proxy.connect_timeout_s)),
-            limits=httpx.Limits(max_connections=max(4, 2 * len(configs)), max_keepalive_connections=2 * len(configs)),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(8, 2 * len(configs))),
             headers={"user-agent": "kvroute-health"},
         )
         self.replicas: dict[str, Replica] = {}
         for cfg in configs:
-            upstream = UpstreamPool(cfg.url, proxy.connect_timeout_s, proxy.upstream_idle_s)
-            self.replicas[cfg.name] = Replica(cfg, upstream, metrics, default_blocks)
-        self._tasks: list[asyncio.Task[None]] = []
+            self.replicas[cfg.name] = self._make(cfg)
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._started = False
         self._checked: set[str] = set()  # replicas whose first health check is done
         self._first_round = asyncio.Event()
+
+    def _make(self, cfg: ReplicaConfig) -> Replica:
+        upstream = UpstreamPool(cfg.url, self.proxy.connect_timeout_s, self.proxy.upstream_idle_s)
+        return Replica(cfg, upstream, self.metrics, self.default_blocks)
+
+    def _spawn(self, r: Replica) -> None:
+        self._tasks[r.name] = [asyncio.create_task(self._health_loop(r), name=f"health:{r.name}"),
+                               asyncio.create_task(self._metrics_loop(r), name=f"metrics:{r.name}")]
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Start checking every replica, and wait (at most a health-check timeout) for the first round: a
         router, or a new worker beside running ones, does not answer 503 to replicas it has not asked yet."""
+        self._started = True
         for r in self.replicas.values():
-            self._tasks.append(asyncio.create_task(self._health_loop(r), name=f"health:{r.name}"))
-            self._tasks.append(asyncio.create_task(self._metrics_loop(r), name=f"metrics:{r.name}"))
+            self._spawn(r)
         if self.replicas:
             try:
                 await asyncio.wait_for(self._first_round.wait(), self.health.timeout_s)
@@ -195,14 +207,51 @@ class ReplicaPool:
                 pass
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = [t for ts in self._tasks.values() for t in ts]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
         await self._control.aclose()
         for r in self.replicas.values():
             if r.upstream is not None:
                 r.upstream.close()
+
+    # -- membership (decided by router.membership) ------------------------------------------
+
+    def add(self, cfg: ReplicaConfig) -> Replica:
+        """A replica joins: it starts as "starting" and is checked like the configured ones.
+
+        Raises ``ValueError`` for a name in use and :class:`~router.load.TableFull` past
+        ``membership.max_replicas``."""
+        if cfg.name in self.replicas:
+            raise ValueError(f"replica {cfg.name!r} is already in the pool")
+        self.load.add(cfg.name)
+        r = self.replicas[cfg.name] = self._make(cfg)
+        if self._started:
+            self._spawn(r)
+        log.info("replica %s added (%s)", r.name, r.url, extra={"replica": r.name})
+        self.events.publish(ReplicaAdded(r.name))
+        return r
+
+    async def remove(self, name: str) -> None:
+        """The replica leaves now (its drain is the caller's): its checks stop, its index entries and
+        metric series go."""
+        r = self.replicas.get(name)
+        if r is None:
+            return
+        self.events.publish(ReplicaRemoved(name))  # while listeners can still look the replica up
+        tasks = self._tasks.pop(name, [])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        del self.replicas[name]
+        self._checked.discard(name)
+        if r.upstream is not None:
+            r.upstream.close()
+        self.load.remove(name)
+        self.metrics.forget_replica(name)
+        log.info("replica %s removed", name, extra={"replica": name})
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -372,7 +421,7 @@ class ReplicaPool:
                 log.exception("health check of %s crashed", r.name)
             if r.name not in self._checked:
                 self._checked.add(r.name)
-                if len(self._checked) == len(self.replicas):
+                if len(self._checked) >= len(self.replicas):
                     self._first_round.set()
             await asyncio.sleep(pause)
 

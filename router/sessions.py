@@ -22,7 +22,7 @@ import xxhash
 from .background import Background
 from .config import IndexConfig, SessionConfig
 from .index.resp import Redis
-from .load import SESSION_SLOT_BYTES, HostShare
+from .load import SESSION_SLOT_BYTES, HostShare, LoadTable
 from .metrics import Metrics
 
 log = logging.getLogger("kvroute.sessions")
@@ -69,12 +69,11 @@ class LocalSessions:
 class SharedSessions:
     """Sessions in the memory the workers of one host share (no Redis configured)."""
 
-    def __init__(self, share: HostShare, replicas: list[str]) -> None:
+    def __init__(self, share: HostShare, load: LoadTable) -> None:
         self._buf = share.sessions
         self._slots = share.session_slots
         self._lock = share.lock
-        self._names = list(replicas)
-        self._number = {name: i + 1 for i, name in enumerate(self._names)}
+        self._load = load  # replica <-> number, the same in every worker
 
     def _slot(self, digest: bytes) -> int:
         return int.from_bytes(digest[:8], "little") % self._slots * SESSION_SLOT_BYTES
@@ -90,10 +89,10 @@ class SharedSessions:
             number = int.from_bytes(self._buf[at + 16:at + 20], "little")
         finally:
             self._lock.release()
-        return self._names[number - 1] if 0 < number <= len(self._names) else None
+        return self._load.name_of(number) if number > 0 else None
 
     def remember(self, session: str, replica: str) -> None:
-        number = self._number.get(replica)
+        number = self._load.number(replica)
         if number is None:
             return
         digest = bytes.fromhex(session)
@@ -149,9 +148,9 @@ class RedisSessions:
 
 
 def build_sessions(index: IndexConfig, cfg: SessionConfig, metrics: Metrics, share: HostShare | None = None,
-                   replicas: list[str] | None = None) -> Sessions:
+                   load: LoadTable | None = None) -> Sessions:
     if index.backend != "memory":
         return RedisSessions(index, cfg, metrics)
-    if share is not None and share.workers > 1 and share.session_slots:
-        return SharedSessions(share, replicas or [])
+    if share is not None and share.workers > 1 and share.session_slots and load is not None:
+        return SharedSessions(share, load)
     return LocalSessions(cfg.max_local)

@@ -80,7 +80,7 @@ def run(config: RouterConfig) -> int:
         log.error("cannot listen on %s:%d: %s", config.host, config.port, e.strerror or e)
         shutil.rmtree(metrics_dir, ignore_errors=True)
         return 1
-    share = HostShare(config.workers, len(config.replicas),
+    share = HostShare(config.workers, config.membership.max_replicas,
                       session_slots=config.sessions.max_local if config.index.backend == "memory" else 0)
     ctx = multiprocessing.get_context("fork")
     procs: list[Any] = [None] * config.workers

@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from ..background import Background
 from ..config import KvEventsConfig
-from ..events import Event, EventBus, ReplicaReady, ReplicaRemoved, ReplicaRestarted
+from ..events import Event, EventBus, ReplicaAdded, ReplicaReady, ReplicaRemoved, ReplicaRestarted
 from ..index.fallback import SharedIndexDown
 from ..index.precise import Applied, PreciseIndex
 from ..keys import PromptKeys
@@ -131,6 +131,11 @@ class EventFeed:
         return None if f is None else f.describe()
 
     def _on_event(self, event: Event) -> None:
+        if isinstance(event, ReplicaAdded):
+            r = self.pool.get(event.replica)
+            if r is not None and event.replica not in self._feeds:
+                self._feeds[event.replica] = ReplicaFeed(r)
+            return
         f = self._feeds.get(event.replica)
         if f is None or self._ctx is None:
             return
@@ -139,7 +144,8 @@ class EventFeed:
         elif isinstance(event, ReplicaRestarted):
             self._background.spawn(self._restart(f))
         elif isinstance(event, ReplicaRemoved):
-            self._background.spawn(self._stop(f))
+            del self._feeds[event.replica]
+            self._background.spawn(self._stop(f, quiet=True))
 
     def _ensure(self, f: ReplicaFeed) -> None:
         if f.task is None or f.task.done():
