@@ -14,6 +14,7 @@ import pytest
 from loadtest import vllm_cluster
 from loadtest.cluster import Proc
 from router import plan as P
+from recipes import serve_commands as recipe_commands
 from router.replica_metrics import parse_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -67,14 +68,26 @@ def plans() -> list[P.Plan]:
     return [P.plan(MODELS / f"{name}.json", t) for name, t in targets]
 
 
-def test_every_vllm_serve_command_the_planner_prints_parses_with_vllms_own_parser(home):
-    commands = [(p, argv) for p in plans() for _env, argv in P.serve_commands(p)]
+def parse_with_vllm(home: Path, commands: list[list[str]]) -> list[dict]:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    r = subprocess.run([str(home / "venv" / "bin" / "python"), "-c", PARSE], input=json.dumps([a for _, a in commands]),
+    r = subprocess.run([str(home / "venv" / "bin" / "python"), "-c", PARSE], input=json.dumps(commands),
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     parsed = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(parsed) == len(commands)
+    return parsed
+
+
+def test_every_vllm_serve_command_the_planner_prints_parses_with_vllms_own_parser(home):
+    commands = [(p, argv) for p in plans() for _env, argv in P.serve_commands(p)]
+    parsed = parse_with_vllm(home, [a for _, a in commands])
     for (p, _argv), ns in zip(commands, parsed):
         assert ns["tp"] == p.chosen.tp and ns["pp"] == p.chosen.pp and ns["block_size"] == p.block_size
         assert ns["kv_events"] and ns["model"] == str(MODELS)
+
+
+def test_every_vllm_serve_command_of_the_gaudi_and_aurora_recipes_parses_with_vllms_own_parser(home):
+    commands = recipe_commands()
+    parsed = parse_with_vllm(home, commands)
+    assert [(ns["tp"], ns["pp"], ns["block_size"]) for ns in parsed] == [(8, 1, 128), (4, 1, 64), (8, 2, 64)]
+    assert all(ns["kv_events"] for ns in parsed)
