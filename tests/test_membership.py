@@ -130,3 +130,13 @@ def test_a_replicas_key_is_not_written_to_redis(cluster, redis_proc):
     dump = subprocess.run(["redis-cli", "-p", str(redis_proc.port), "--no-raw", "HGETALL", "kvroute:replicas"],
                           capture_output=True, text=True, timeout=10).stdout
     assert "keyed" in dump and "replica-secret-1" not in dump
+
+
+def test_a_replica_registered_while_it_warms_up_is_starting_then_joins_without_a_warning(cluster):
+    warming = cluster.sim("--warmup-s", "3", wait=False)
+    rt = cluster.router([cluster.sim()], "--set", "health.interval_s=0.2")
+    before = rt.log_tail(100_000)
+    assert httpx.post(rt.url + ADMIN, json={"name": "warming", "url": warming.url}, timeout=5).status_code == 201
+    assert replicas_view(rt)[warming.url]["state"] == "starting"
+    wait_until(lambda: replicas_view(rt)[warming.url]["state"] == "ready", timeout=15, interval=0.2)
+    assert "WARNING" not in rt.log_tail(100_000)[len(before):]

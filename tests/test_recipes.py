@@ -6,7 +6,10 @@ import json
 import re
 import subprocess
 
+from pathlib import Path
+
 from recipes import AURORA_SCRIPTS, GAUDI_COMPOSE, aurora_command, gaudi_service
+from router import plan as P
 
 # Every environment variable a recipe sets, and where it is named.
 NAMED = {
@@ -20,6 +23,11 @@ NAMED = {
     "VLLM_HOST_IP": "issue and reference: the node address vLLM advertises",
     "ZE_AFFINITY_MASK": "oneAPI Level Zero: the GPU tiles a process sees (GPU.tile)",
     "PYTHONPATH": "dry runs only: the stand-in replica from this checkout",
+    "HABANA_VISIBLE_MODULES": "Habana runtime: the cards (modules) one process uses",
+    "QUANT_CONFIG": "vllm-gaudi FP8 (Intel Neural Compressor measurement config)",
+    "CUDA_VISIBLE_DEVICES": "CUDA runtime: the GPUs one process uses",
+    "VLLM_TARGET_DEVICE": "reference/vllm.md: the CPU build",
+    "VLLM_CPU_KVCACHE_SPACE": "reference/vllm.md: the CPU build's KV cache size in GiB",
 }
 
 
@@ -70,3 +78,12 @@ def test_the_pipeline_parallel_recipe_is_marked_as_the_slow_path():
     assert cmd[cmd.index("--pipeline-parallel-size") + 1] == "3"
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "ray"
     assert GAUDI_COMPOSE.exists()
+
+
+def test_every_environment_variable_the_planner_prints_is_named_in_the_sources():
+    config = Path(__file__).parent / "fixtures" / "models" / "gemma-2-9b.json"
+    targets = [P.Target("gaudi2", dtype="fp8"), P.Target("gaudi3"), P.Target("aurora-pvc", tp=2), P.Target("cuda"),
+               P.Target("cpu")]
+    names = {k for t in targets for env, _ in P.serve_commands(P.plan(config, t)) for k in env}
+    assert {"PT_HPU_RECIPE_CACHE_CONFIG", "ZE_AFFINITY_MASK", "VLLM_HOST_IP"} <= names
+    assert not sorted(names - set(NAMED))
