@@ -332,7 +332,7 @@ class VLLMSimulator:
             req = json.loads(body)
             if not isinstance(req, dict):
                 raise ValueError
-        except ValueError:
+        except (ValueError, RecursionError):  # vLLM answers 400 to JSON nested past its parser's depth too
             return await _json(send, 400, _error(
                 "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.1', 'msg': 'JSON decode error', "
                 "'input': '<dict of 0 items>', 'ctx': {'error': 'Expecting property name enclosed in double quotes'}}",
@@ -360,7 +360,21 @@ class VLLMSimulator:
             return await _json(send, 400, _error(
                 "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
                 "BadRequestError", "prompt", 400))
-        max_tokens = req.get("max_completion_tokens") or req.get("max_tokens") or 16
+        # what vLLM's request models refuse with 400 (pydantic's lax parsing: "16" is 16, "false" is False)
+        bad = _invalid_fields(req)
+        if bad is not None:
+            return await _json(send, 400, _error(bad[1], "Bad Request", bad[0], 400))
+        try:
+            prompt_text(req, chat).encode("utf-8")
+        except RecursionError:
+            return await _json(send, 400, _error("1 validation error:\n  {'type': 'recursion_loop', 'loc': "
+                                                 "'body', 'msg': 'Recursion error - cyclic reference detected'}",
+                                                 "Bad Request", "body", 400))
+        except UnicodeEncodeError:
+            return await _json(send, 400, _error("The prompt is not valid UTF-8 text (a lone surrogate)",
+                                                 "BadRequestError", "prompt" if not chat else "messages", 400))
+        req["stream"] = _lax_bool(req.get("stream", False))
+        max_tokens = _lax_int(req.get("max_completion_tokens")) or _lax_int(req.get("max_tokens")) or 16
         if max_tokens > self.max_model_len:
             return await _json(send, 400, _error(
                 f"max_tokens={max_tokens} cannot be greater than max_model_len={self.max_model_len}. Please request "
@@ -647,6 +661,46 @@ class VLLMSimulator:
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+_TRUE = ("true", "1", "yes", "on", "t", "y")
+_FALSE = ("false", "0", "no", "off", "f", "n")
+
+
+def _lax_bool(v: Any) -> bool:
+    """A boolean as pydantic reads one (lax mode); callers check validity with :func:`_invalid_fields`."""
+    if isinstance(v, str):
+        return v.strip().lower() in _TRUE
+    return bool(v)
+
+
+def _lax_int(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return int(v.strip())
+    return int(v)
+
+
+def _invalid_fields(req: dict[str, Any]) -> tuple[str, str] | None:
+    """(field, message) of the first field vLLM's request model would refuse, or None."""
+    for name in ("max_tokens", "max_completion_tokens", "n"):
+        v = req.get(name)
+        if v is None:
+            continue
+        ok = (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer()) or \
+            (isinstance(v, str) and v.strip().lstrip("+-").isdigit())
+        if not ok:
+            return name, (f"1 validation error:\n  {{'type': 'int_parsing', 'loc': ('body', '{name}'), 'msg': "
+                          f"'Input should be a valid integer, unable to parse string as an integer', 'input': {v!r:.40}}}")
+    for name in ("stream", "ignore_eos", "echo"):
+        v = req.get(name)
+        if v is None or isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)):
+            continue
+        if not (isinstance(v, str) and v.strip().lower() in _TRUE + _FALSE):
+            return name, (f"1 validation error:\n  {{'type': 'bool_parsing', 'loc': ('body', '{name}'), 'msg': "
+                          f"'Input should be a valid boolean, unable to interpret input', 'input': {v!r:.40}}}")
+    return None
 
 
 def _error(message: str, type: str, param: str | None, code: int) -> dict[str, Any]:

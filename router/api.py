@@ -156,7 +156,7 @@ class ProxyEndpoint:
         route = RouteRequest(model=model, request_id=request_id, endpoint=self.path, session_id=session,
                              payload=payload, body_size=len(body))
         call = Call(
-            path=self.path, body=body, model=model, stream=payload.get("stream") is True,
+            path=self.path, body=body, model=model, stream=_streams(payload.get("stream")),
             request_id=request_id, headers=client_headers(headers), started=started, route=route,
         )
         await self.gw.forwarder(call, receive, send)
@@ -196,6 +196,13 @@ class ProxyEndpoint:
         if self.path == "/v1/chat/completions" and not isinstance(payload["messages"], list):
             raise errors.bad_request("`messages` must be a list", "messages")
         return payload
+
+
+def _streams(value: Any) -> bool:
+    """``stream`` as vLLM reads it (pydantic's lax booleans: "true", "1", "on"... stream too)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes", "on", "t", "y")
+    return value is True or value == 1
 
 
 def _json_error(e: GatewayError, request_id: str | None = None) -> Response:

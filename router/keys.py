@@ -88,11 +88,16 @@ class PromptKeys:
         return c.value if c is not None else self.cfg.bytes_per_token
 
     async def key(self, path: str, payload: dict[str, Any], model: str, body_size: int = 0) -> PromptKey | None:
+        """The prompt's key, or None when it has none (the request is then routed by load alone)."""
         tokenizer = self._by_model.get(model, self._default)
         bpt = self.bytes_per_token(model)
-        if tokenizer is not None and body_size > _INLINE_TOKENIZE_BYTES:
-            return await asyncio.to_thread(key_for, path, payload, model, bpt, tokenizer)
-        return key_for(path, payload, model, bpt, tokenizer)
+        try:
+            if tokenizer is not None and body_size > _INLINE_TOKENIZE_BYTES:
+                return await asyncio.to_thread(key_for, path, payload, model, bpt, tokenizer)
+            return key_for(path, payload, model, bpt, tokenizer)
+        except RecursionError:  # content nested past what can be walked: the replica judges it
+            log.info("prompt of a %s request nested too deeply to key; routing it by load", path)
+            return None
 
     # -- learning bytes per token --------------------------------------------------------------
 

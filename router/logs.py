@@ -62,6 +62,15 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, separators=(",", ":"))
 
 
+# control characters in what a client sent (a model name, an id) are shown escaped: a newline must not
+# start a line of its own that reads like the router's
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)} | {10: "\\n", 13: "\\r", 9: "\\t"}
+
+
+def one_line(text: str) -> str:
+    return text.translate(_ESCAPES) if not text.isprintable() else text
+
+
 class PlainFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__()
@@ -69,10 +78,10 @@ class PlainFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = (f"{self._clock(record.created)},{int(record.msecs):03d} {record.levelname} {record.name}: "
-                f"{record.getMessage()}")
+                f"{one_line(record.getMessage())}")
         rid = getattr(record, "request_id", None)
         if rid:
-            line += f" [request_id={rid}]"
+            line += f" [request_id={one_line(str(rid))}]"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line

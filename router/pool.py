@@ -276,6 +276,13 @@ class ReplicaPool:
         out["load"] = out["inflight"] + r.external_load
         return out
 
+    def model_label(self, model: str | None) -> str:
+        """``model`` as a metric label: only names a replica serves; any other as "other" (a client's
+        made-up names must not grow the metrics)."""
+        if not model:
+            return ""
+        return model if any(model in r.models for r in self.replicas.values()) else "other"
+
     def ready_models(self) -> dict[str, dict[str, Any]]:
         """Model id -> model card, over the ready replicas."""
         out: dict[str, dict[str, Any]] = {}

@@ -259,7 +259,8 @@ class Forwarder:
         ticket = call.ticket
         if ticket is not None and ticket.name == call.replica:
             ticket.replica.m_latency.observe(elapsed)
-        self.metrics.child(self.metrics.requests, call.model or "", call.replica, str(call.status)).inc()
+        self.metrics.child(self.metrics.requests, self.pool.model_label(call.model), call.replica,
+                           str(call.status)).inc()
         decision: dict[str, Any] = {}
         if ticket is not None and ticket.reason is not None:
             decision = {"prompt_tokens": call.route.prompt_tokens, "cached_tokens": ticket.cached_tokens,
