@@ -88,8 +88,11 @@ class Metrics:
         self.index_errors = Counter(
             "kvroute_index_errors", "Failed or too slow calls to the shared (Redis) index.", ["op"], registry=r)
         self.index_fallback = Gauge(
-            "kvroute_index_fallback", "1 while routing falls back to the local index because Redis failed.",
-            registry=r, multiprocess_mode="livemax")
+            "kvroute_index_fallback", "1 while lookups are answered by the local index because Redis failed or was "
+            "too slow (until a lookup reaches Redis again).", registry=r, multiprocess_mode="livemax")
+        self.index_fallback_lookups = Counter(
+            "kvroute_index_fallback_lookups", "Lookups the local index answered because Redis failed or was too slow "
+            "(each such decision is counted with reason fallback).", registry=r)
         self.index_mode = Gauge(
             "kvroute_index_precise", "1 while the replica's KV-cache events feed the index (precise mode), 0 while "
             "the index predicts from routing decisions (approximate).", ["replica"], registry=r,

@@ -59,3 +59,32 @@ def test_without_redis_lookups_are_answered_by_the_local_index():
             await index.close()
 
     assert asyncio.run(go()) == (True, {"a": 3, "b": 0}, 1)
+
+
+def test_a_lone_slow_lookup_shows_in_the_gauge_and_the_counter_until_redis_answers_again(redis_proc):
+    import signal
+
+    url = f"redis://127.0.0.1:{redis_proc.port}/0"
+
+    async def go():
+        index = fallback(url, trip_after=3)
+        m = index.metrics
+        try:
+            await index.start()
+            await index.record("m", "a", [1, 2, 3], 100)
+            redis_proc.signal(signal.SIGSTOP)  # one answer too slow: not yet "down"
+            try:
+                slow = await index.probe("m", [1, 2, 3], ["a"])
+            finally:
+                redis_proc.signal(signal.SIGCONT)
+            during = (slow.degraded, m.index_fallback._value.get(), m.index_fallback_lookups._value.get())
+            await settle(index, lambda: _answered_by_redis(index))
+            return during, m.index_fallback._value.get()
+        finally:
+            await index.close()
+
+    assert asyncio.run(go()) == ((True, 1, 1), 0)
+
+
+async def _answered_by_redis(index) -> bool:
+    return not (await index.probe("m", [1, 2, 3], ["a"])).degraded

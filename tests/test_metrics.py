@@ -39,7 +39,7 @@ def test_scripted_sequence(cluster):
 
     m = scrape(rt.url)
     assert value(m, "kvroute_requests_total", model="tiny", replica="none", status="404") == 0
-    assert value(m, "kvroute_requests_total", model="nope", replica="none", status="404") == 1
+    assert value(m, "kvroute_requests_total", model="other", replica="none", status="404") == 1
     assert value(m, "kvroute_requests_total", model="", replica="none", status="400") == 1
     ok_a = value(m, "kvroute_requests_total", model="tiny", replica="a", status="200")
     ok_b = value(m, "kvroute_requests_total", model="tiny", replica="b", status="200")

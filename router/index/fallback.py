@@ -70,7 +70,6 @@ class FallbackIndex:
             log.warning("Redis index %s failed (%s); using the local index for %.1f s", op,
                         e.__class__.__name__, self.cfg.retry_after_s)
         self._down_until = time.monotonic() + self.cfg.retry_after_s
-        self.metrics.index_fallback.set(1)
 
     def _ok(self) -> None:
         self._failures_in_a_row = 0
@@ -90,6 +89,10 @@ class FallbackIndex:
                     return found
                 except Exception as e:  # Redis down, slow or confused: route on local knowledge
                     self._failed("lookup", e)
+            # answered here: the gauge says so until a lookup reaches Redis again, and the counter keeps
+            # every such lookup (a gauge sampled every 15 s misses a lone slow answer)
+            self.metrics.index_fallback.set(1)
+            self.metrics.index_fallback_lookups.inc()
             return Probe((await self.local.probe(model, chain, replicas, exact)).matches, degraded=True)
         return await self.local.probe(model, chain, replicas, exact)
 
