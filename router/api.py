@@ -8,6 +8,7 @@ digest, the parsed body) and hand the raw bytes to the :class:`~router.proxy.For
 
 from __future__ import annotations
 
+import collections
 import gc
 import itertools
 import logging
@@ -97,6 +98,22 @@ class Gateway:
         self.membership = Membership(config, self.pool)
         self.auth = Auth(config.auth)
         self.started = time.time()
+        self.stopping = False  # SIGTERM came: /ready answers 503 while the listener is still open
+        self._ready_polls: collections.deque[float] = collections.deque(maxlen=8)
+
+    def ready_polled(self) -> None:
+        self._ready_polls.append(time.monotonic())
+
+    def unready_period(self) -> float:
+        """Seconds /ready should answer 503 before the listener closes, so that whoever polls it (a load
+        balancer) stops sending requests first: two of its polling intervals, or 0 if nothing polls."""
+        if self.config.shutdown_unready_s is not None:
+            return self.config.shutdown_unready_s
+        polls = list(self._ready_polls)
+        if len(polls) < 3 or time.monotonic() - polls[-1] > 60:
+            return 0.0
+        gaps = sorted(b - a for a, b in zip(polls, polls[1:]))
+        return min(30.0, 2 * gaps[len(gaps) // 2])
 
     def single_model(self) -> str | None:
         models: set[str] = set()
@@ -280,6 +297,10 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
 
     @app.get("/ready")
     async def ready() -> Response:
+        gw.ready_polled()
+        if gw.stopping:
+            return _json_error(GatewayError(503, "the router is shutting down", "service_unavailable_error",
+                                            "shutting_down", headers={"retry-after": "1"}))
         n = sum(1 for v in gw.pool.views() if v.ready and not v.drained)
         if n == 0:
             return _json_error(errors.no_ready_replica(None))

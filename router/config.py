@@ -289,6 +289,10 @@ class RouterConfig(_Model):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight streams may finish")
+    shutdown_unready_s: float | None = Field(None, ge=0, description="on SIGTERM, how long /ready answers 503 while "
+                                             "requests are still served, before the listener closes; default: two "
+                                             "of the intervals at which something polls /ready (a load balancer), "
+                                             "at most 30 s, or 0 if nothing polls it")
     replicas_file: str | None = Field(None, description="a YAML or JSON file listing more replicas (the fields of "
                                       "replicas[]), read again when it changes: added ones join, missing ones drain")
     membership: MembershipConfig = Field(default_factory=MembershipConfig)

@@ -13,6 +13,7 @@ log = logging.getLogger("kvroute")
 
 def run_server(config: RouterConfig, share: Any = None, worker: int = 0, sockets: list[Any] | None = None) -> int:
     """Run one gateway process until SIGTERM/SIGINT (on ``sockets`` when a parent bound them)."""
+    import asyncio
     import contextlib
 
     import uvicorn
@@ -20,6 +21,21 @@ def run_server(config: RouterConfig, share: Any = None, worker: int = 0, sockets
     from .api import build_app
 
     class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # First SIGTERM: /ready turns 503 and requests are still served for a moment, so a load balancer
+            # that polls /ready stops sending before connections are refused; then the listener closes and
+            # in-flight streams have shutdown_grace_s. A second signal stops at once.
+            gw = getattr(getattr(app, "state", None), "gateway", None)
+            if gw is None or gw.stopping or self.should_exit:
+                return super().handle_exit(sig, frame)
+            gw.stopping = True
+            wait = gw.unready_period()
+            if wait <= 0:
+                return super().handle_exit(sig, frame)
+            log.info("shutting down: /ready answers 503 for %.1f s before the listener closes", wait)
+            loop = asyncio.get_running_loop()  # a signal handler: hand the timer to the loop through its pipe
+            loop.call_soon_threadsafe(loop.call_later, wait, super().handle_exit, sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self):  # type: ignore[override]
             with super().capture_signals():

@@ -105,3 +105,12 @@ def run_with_bypass(rt, replicas, seed, settle, bypass=0.3, **shape):
                     r = chat(c, rt.url, conv[t])
                     pairs.append((predicted(r), cached(r)))
     return pairs
+
+
+def refused(url: str) -> bool:
+    """Nothing listens at ``url``'s port (the connection is refused)."""
+    try:
+        httpx.get(url, timeout=1)
+    except httpx.ConnectError:
+        return True
+    return False

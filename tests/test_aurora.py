@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from helpers import wait_until
+from helpers import refused, wait_until
 from loadtest.cluster import Proc, free_ports
 
 SCRIPT = Path(__file__).parent.parent / "deploy" / "aurora" / "kvroute-replicas.pbs"
@@ -55,14 +55,7 @@ def test_the_job_registers_its_replicas_serves_through_both_routers_and_deregist
         wait_until(lambda: not names(one) and not names(two), timeout=10, interval=0.2)
         assert "deregistered" in job.log_tail()
         for port in (base, base + 1):  # the replicas are gone with the job
-            wait_until(lambda: _refused(f"http://127.0.0.1:{port}/health"), timeout=10)
+            wait_until(lambda: refused(f"http://127.0.0.1:{port}/health"), timeout=10)
     finally:
         job.stop()
 
-
-def _refused(url: str) -> bool:
-    try:
-        httpx.get(url, timeout=1)
-    except httpx.ConnectError:
-        return True
-    return False

@@ -7,22 +7,28 @@ import time
 import httpx
 import pytest
 
-from helpers import sse_events, wait_until
+from helpers import refused, sse_events, wait_until
 
 
-def test_sigterm_lets_inflight_streams_finish_and_refuses_new_connections(cluster):
-    sim = cluster.sim("--ttft-ms", "5", "--itl-ms", "40")
-    rt = cluster.router([sim], "--set", "shutdown_grace_s=10")
-    out = []
+def stream_running(rt, sim, max_tokens: int) -> tuple[threading.Thread, list[list[str]]]:
+    """A streaming request through ``rt``, started in a thread and running on ``sim`` when this returns."""
+    out: list[list[str]] = []
 
-    def stream():
+    def stream() -> None:
         r = httpx.post(rt.url + "/v1/chat/completions", timeout=20, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 30, "stream": True})
+            "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": max_tokens, "stream": True})
         out.append(sse_events(r.content))
 
     t = threading.Thread(target=stream)
     t.start()
     wait_until(lambda: httpx.get(sim.url + "/sim/state").json()["counters"]["running"] == 1, timeout=3)
+    return t, out
+
+
+def test_sigterm_lets_inflight_streams_finish_and_refuses_new_connections(cluster):
+    sim = cluster.sim("--ttft-ms", "5", "--itl-ms", "40")
+    rt = cluster.router([sim], "--set", "shutdown_grace_s=10")
+    t, out = stream_running(rt, sim, 30)
     rt.signal(signal.SIGTERM)
     time.sleep(0.2)
     with pytest.raises(httpx.ConnectError):
@@ -86,3 +92,25 @@ def test_replica_that_starts_late_becomes_ready_when_it_answers(cluster):
     cluster.sim(port=port)
     took = wait_until(lambda: httpx.get(rt.url + "/ready").status_code == 200, timeout=3)
     assert took < 1.0
+
+
+def test_sigterm_turns_ready_to_503_while_requests_are_still_served_when_something_polls_ready(cluster):
+    sim = cluster.sim("--ttft-ms", "5", "--itl-ms", "40")
+    rt = cluster.router([sim], "--set", "shutdown_grace_s=10")
+    with httpx.Client(timeout=5) as http:
+        for _ in range(6):  # a load balancer polling every 0.4 s
+            assert http.get(rt.url + "/ready").status_code == 200
+            time.sleep(0.4)
+    t, out = stream_running(rt, sim, 40)
+    rt.signal(signal.SIGTERM)
+    time.sleep(0.1)
+    r = httpx.get(rt.url + "/ready", timeout=2)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    # still served: the balancer has not seen the 503 yet
+    assert httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+                      timeout=5).status_code == 200
+    wait_until(lambda: refused(rt.url + "/health"), timeout=3)  # then the listener closes (two polls: ~0.8 s)
+    t.join(10)
+    assert out and out[0][-1] == "[DONE]" and len(out[0]) == 1 + 40 + 1
+    assert rt.popen.wait(10) == 0
+
