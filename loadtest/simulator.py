@@ -15,7 +15,8 @@ Fault switches for tests, set at start-up with flags or at run time with
 generation requests with that status), ``health_status`` (what /health answers), ``hang``
 (accept generation requests and never answer), ``die_after_chunks`` (drop the connection after N
 SSE chunks), ``exit_after_chunks`` (kill the whole process after N chunks), ``stall_after_chunks``
-(stop sending, keep the connection open). ``GET /sim/state`` returns counters and the headers of
+(stop sending, keep the connection open), ``cut_bodies`` (the next N non-streaming answers stop
+halfway through their declared length and the connection drops). ``GET /sim/state`` returns counters and the headers of
 the last generation request. None of ``/sim/*`` exists on a real vLLM.
 """
 
@@ -59,6 +60,7 @@ class Faults:
     die_after_chunks: int = -1
     exit_after_chunks: int = -1
     stall_after_chunks: int = -1
+    cut_bodies: int = 0  # the next N non-streaming answers stop halfway and the connection drops
 
 
 @dataclass
@@ -506,6 +508,13 @@ class VLLMSimulator:
                            "prompt_token_ids": None, "routed_experts": None}],
                        "service_tier": None, "system_fingerprint": FINGERPRINT, "usage": usage,
                        "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+        if self.faults.cut_bodies > 0:
+            self.faults.cut_bodies -= 1
+            body = json.dumps(payload, separators=(",", ":")).encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": _JSON_HEADERS + [(b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body[:len(body) // 2], "more_body": True})
+            raise _Abort()
         await _json(send, 200, payload)
 
     async def _stream(self, chat: bool, req: dict[str, Any], n: int, prompt_tokens: int, cached: int,
@@ -796,7 +805,7 @@ def parser() -> argparse.ArgumentParser:
                    "the engine sees it (part of its time to first token, not of an engine step)")
     e.add_argument("--time-scale", type=float, default=1.0, help="real seconds per modelled second (above 1: slower)")
     for name in ("fail_status", "fail_count", "health_status", "die_after_chunks", "exit_after_chunks",
-                 "stall_after_chunks"):
+                 "stall_after_chunks", "cut_bodies"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(Faults(), name))
     p.add_argument("--hang", action="store_true")
     p.add_argument("--warmup-s", type=float, default=0.0, help="seconds before the server listens (a Gaudi replica "

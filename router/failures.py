@@ -37,6 +37,9 @@ KINDS: dict[str, FailureKind] = {k.label: k for k in (
     # the replica answered with an error: passed on as it was if no other replica does better
     _kind("status_5xx", True, "ignore", 502, "upstream_error", "upstream_unavailable", "answered 5xx"),
     _kind("status_429", True, "ignore", 429, "rate_limit_error", "upstream_overloaded", "answered 429"),
+    # a JSON answer cut short while the router still held it: nothing reached the client
+    _kind("body_broken", True, "ignore", 502, "upstream_error", "upstream_disconnected",
+          "ended its answer early"),
     # after the first byte the answer is committed: never retried, ended with an SSE error event
     _kind("stream_broken", False, "ignore", 502, "upstream_error", "upstream_disconnected",
           "the replica ended the stream unexpectedly"),

@@ -42,6 +42,11 @@ _FORWARD_REQUEST_HEADERS = frozenset({b"content-type", b"accept", b"accept-encod
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
                          b"proxy-authenticate", b"proxy-connection", b"date", b"server", b"x-request-id"})
 _MAX_ERROR_BODY = 64 * 1024
+_BUFFERED = 1 << 20  # a JSON answer up to this size is read whole before the client gets any of it
+
+
+class _Cut(Exception):
+    """A JSON answer larger than the buffer broke after part of it was sent: the connection is dropped."""
 # usage.prompt_tokens in an answer (the whole body, or a stream's usage chunk): teaches byte mode
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,9})')
 
@@ -130,6 +135,8 @@ class Forwarder:
             task.uncancel()
             call.outcome = "client_disconnected"
             call.status = call.status or 499
+        except _Cut:
+            pass  # returning unfinished makes the server drop the connection: the client sees a short answer
         except Exception:
             log.exception("internal error while forwarding", extra={"request_id": call.request_id})
             call.outcome = "internal_error"
@@ -193,35 +200,54 @@ class Forwarder:
                     body = b""
                 kind = "status_429" if status == 429 else "status_5xx"
                 return _Failure(ticket.name, kind, status, upstream.headers, body)
-            await self._relay(call, ticket, upstream, send, wait)
-            return None
+            return await self._relay(call, ticket, upstream, send, wait)
         finally:
             upstream.release()
 
     async def _relay(self, call: Call, ticket: Ticket, upstream: UpstreamResponse, send: Any,
-                     wait: float) -> None:
-        call.status = upstream.status
+                     wait: float) -> _Failure | None:
+        """Pass the answer on. A JSON answer is read whole first (up to ``_BUFFERED``): one cut short is then
+        a failure another replica may answer, not a broken response. A stream goes on chunk by chunk."""
         sse = (upstream.header(b"content-type") or b"").startswith(b"text/event-stream")
+        held: list[bytes] = []
+        if not sse:
+            size = 0
+            try:
+                while size <= _BUFFERED:
+                    chunk = await upstream.next_chunk(wait)
+                    if chunk is None:
+                        break
+                    self._first_byte(call, ticket, upstream.status)
+                    held.append(chunk)
+                    size += len(chunk)
+            except UpstreamError as e:
+                kind = "timeout" if isinstance(e, ReadTimeout) else "body_broken"
+                log.warning("answer from %s cut short before it reached the client: %s", ticket.name, e,
+                            extra={"request_id": call.request_id, "replica": ticket.name})
+                return _Failure(ticket.name, kind)
+            if chunk is None:  # whole: one write
+                body = b"".join(held)
+                call.status = upstream.status
+                self._learn(call, ticket, body)
+                await send({"type": "http.response.start", "status": upstream.status,
+                            "headers": _response_headers(call, ticket, upstream.headers)})
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+                return None
+        call.status = upstream.status
         await send({"type": "http.response.start", "status": upstream.status,
                     "headers": _response_headers(call, ticket, upstream.headers)})
         tail = b"\n\n"
         try:
+            for chunk in held:  # a JSON answer larger than the buffer: the rest follows as it comes
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
             while True:
                 chunk = await upstream.next_chunk(wait)
                 if chunk is None:
                     break
-                if call.ttfb is None:
-                    ticket.first_byte(call.status)
-                    now = time.perf_counter()
-                    call.upstream_ttfb = now - call.sent_at
-                    call.ttfb = now - call.started
-                    ticket.replica.m_ttfb.observe(call.ttfb)
+                self._first_byte(call, ticket, upstream.status)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 tail = chunk[-2:]
-                if ticket.learns_tokens and call.prompt_tokens is None and 200 <= call.status < 300:
-                    found = _PROMPT_TOKENS.search(chunk)
-                    if found is not None:
-                        call.prompt_tokens = int(found.group(1))
+                self._learn(call, ticket, chunk)
         except UpstreamError as e:
             idle = isinstance(e, ReadTimeout)
             kind = KINDS["stream_idle_timeout" if idle else "stream_broken"]
@@ -231,12 +257,30 @@ class Forwarder:
                 log.warning("stream from %s broke: %s", ticket.name, e,
                             extra={"request_id": call.request_id, "replica": ticket.name})
             if not sse:
-                raise
+                raise _Cut() from None
             message = f"the replica sent nothing for {wait:g} s" if idle else kind.message
             await send({"type": "http.response.body", "more_body": False,
                         "body": _sse_error(tail, message, kind.type, kind.code)})
-            return
+            return None
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return None
+
+    @staticmethod
+    def _first_byte(call: Call, ticket: Ticket, status: int) -> None:
+        if call.ttfb is None:
+            ticket.first_byte(status)
+            now = time.perf_counter()
+            call.upstream_ttfb = now - call.sent_at
+            call.ttfb = now - call.started
+            ticket.replica.m_ttfb.observe(call.ttfb)
+
+    @staticmethod
+    def _learn(call: Call, ticket: Ticket, data: bytes) -> None:
+        """The replica's usage.prompt_tokens, which teaches byte mode its bytes per token."""
+        if ticket.learns_tokens and call.prompt_tokens is None and 200 <= call.status < 300:
+            found = _PROMPT_TOKENS.search(data)
+            if found is not None:
+                call.prompt_tokens = int(found.group(1))
 
     async def _give_up(self, call: Call, send: Any, failure: _Failure) -> None:
         """Every attempt failed: answer the last replica's error as it was, or our own."""

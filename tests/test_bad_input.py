@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import httpx
 
+from helpers import wait_until
+
 CHAT = "/v1/chat/completions"
 
 
@@ -40,9 +42,8 @@ def test_a_newline_in_the_model_name_cannot_forge_a_log_line(cluster):
     rt = cluster.router([cluster.sim()])
     forged = "tiny\n2026-01-01 00:00:00,000 INFO kvroute.proxy: /v1/chat/completions admin -> x 200 ok"
     httpx.post(rt.url + CHAT, json={"model": forged, "messages": [{"role": "user", "content": "x"}]}, timeout=10)
-    lines = rt.log_tail().splitlines()
-    assert not any(line.startswith("2026-01-01 00:00:00,000") for line in lines)
-    assert any("tiny\\n2026-01-01" in line for line in lines)
+    wait_until(lambda: "tiny\\n2026-01-01" in rt.log_tail(), timeout=5)  # a thread writes the log
+    assert not any(line.startswith("2026-01-01 00:00:00,000") for line in rt.log_tail().splitlines())
 
 
 def test_model_names_no_replica_serves_share_one_metric_label(cluster):

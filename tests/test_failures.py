@@ -166,3 +166,19 @@ def test_replica_restart_is_detected_from_its_start_time(cluster):
     wait_until(lambda: replicas_view(rt)[sim.url]["restarts"] == 1, timeout=5)
     metrics = httpx.get(rt.url + "/metrics").text
     assert 'kvroute_replica_restarts_total{replica="127.0.0.1:%d"} 1.0' % sim.port in metrics
+
+
+def test_a_json_answer_cut_short_is_answered_by_another_replica_and_not_logged_as_the_routers_error(cluster):
+    cut, good = cluster.sim("--cut-bodies", "100"), cluster.sim()
+    rt = cluster.router([cut, good])
+    cut_name = f"127.0.0.1:{cut.port}"
+    for i in range(8):
+        r = httpx.post(rt.url + "/v1/completions", timeout=10, headers={"x-session-id": f"s{i}"},
+                       json={"model": "tiny", "prompt": f"p{i}", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert r.headers["x-kvroute-replica"] != cut_name
+    assert httpx.get(cut.url + "/sim/state").json()["counters"]["received"] >= 1  # it was tried
+    log = rt.log_tail(100_000)
+    assert "internal error" not in log and "Traceback" not in log
+    assert "cut short before it reached the client" in log
+    assert f'kvroute_upstream_errors_total{{kind="body_broken",replica="{cut_name}"}}' in httpx.get(rt.url + "/metrics").text
