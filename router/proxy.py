@@ -72,6 +72,8 @@ class Call:
     prompt_tokens: int | None = None  # the replica's usage.prompt_tokens, when it was looked for
     sent_at: float = 0.0  # the last attempt's request went to the replica
     upstream_ttfb: float | None = None  # from then to the replica's first body byte
+    sse_open: bool = False  # an SSE stream has started and not ended: it can still be closed with an error event
+    tail: bytes = b"\n\n"  # the last bytes sent on it
 
 
 @dataclass
@@ -131,7 +133,14 @@ class Forwarder:
             await send_error(send, e, call.request_id)
         except asyncio.CancelledError:
             if not state["gone"]:
-                raise
+                if not call.sse_open:
+                    raise
+                # the server stops (its shutdown grace is over): end the stream as vLLM ends one on an error
+                task.uncancel()
+                call.outcome = "shutdown"
+                await send({"type": "http.response.body", "more_body": False, "body": _sse_error(
+                    call.tail, "the router is shutting down", "service_unavailable_error", "shutting_down")})
+                return
             task.uncancel()
             call.outcome = "client_disconnected"
             call.status = call.status or 499
@@ -236,7 +245,7 @@ class Forwarder:
         call.status = upstream.status
         await send({"type": "http.response.start", "status": upstream.status,
                     "headers": _response_headers(call, ticket, upstream.headers)})
-        tail = b"\n\n"
+        call.sse_open = sse
         try:
             for chunk in held:  # a JSON answer larger than the buffer: the rest follows as it comes
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -246,7 +255,7 @@ class Forwarder:
                     break
                 self._first_byte(call, ticket, upstream.status)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                tail = chunk[-2:]
+                call.tail = chunk[-2:]
                 self._learn(call, ticket, chunk)
         except UpstreamError as e:
             idle = isinstance(e, ReadTimeout)
@@ -259,9 +268,11 @@ class Forwarder:
             if not sse:
                 raise _Cut() from None
             message = f"the replica sent nothing for {wait:g} s" if idle else kind.message
+            call.sse_open = False
             await send({"type": "http.response.body", "more_body": False,
-                        "body": _sse_error(tail, message, kind.type, kind.code)})
+                        "body": _sse_error(call.tail, message, kind.type, kind.code)})
             return None
+        call.sse_open = False
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return None
 

@@ -1,5 +1,6 @@
 """Start-up, drain/undrain and graceful shutdown."""
 
+import json
 import signal
 import threading
 import time
@@ -38,20 +39,22 @@ def test_sigterm_lets_inflight_streams_finish_and_refuses_new_connections(cluste
     assert rt.popen.wait(10) == 0
 
 
-def test_sigterm_ends_streams_that_outlast_the_grace_period(cluster):
+def test_sigterm_ends_streams_that_outlast_the_grace_period_with_an_error_event(cluster):
     sim = cluster.sim("--ttft-ms", "5", "--itl-ms", "100")
     rt = cluster.router([sim], "--set", "shutdown_grace_s=0.5")
     with httpx.stream("POST", rt.url + "/v1/chat/completions", timeout=20, json={
             "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "stream": True}) as r:
         chunks = r.iter_raw()
-        next(chunks)
+        raw = next(chunks)
         start = time.monotonic()
         rt.signal(signal.SIGTERM)
-        with pytest.raises(httpx.HTTPError):
-            for _ in chunks:
-                pass
+        for chunk in chunks:
+            raw += chunk
     assert time.monotonic() - start < 3
-    rt.popen.wait(5)
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down"
+    assert rt.popen.wait(5) == 0
+    assert "Traceback" not in rt.log_tail()
     wait_until(lambda: httpx.get(sim.url + "/sim/state").json()["counters"]["aborted"] == 1, timeout=2)
 
 
