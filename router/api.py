@@ -8,6 +8,7 @@ digest, the parsed body) and hand the raw bytes to the :class:`~router.proxy.For
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import gc
 import itertools
@@ -144,6 +145,7 @@ class ProxyEndpoint:
         self.path = path
         self.required = required
         self.limit = gateway.config.proxy.max_body_bytes
+        self.body_timeout = gateway.config.client.body_timeout_s
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         started = time.perf_counter()
@@ -189,7 +191,13 @@ class ProxyEndpoint:
         chunks = []
         size = 0
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout(self.body_timeout):  # a timer, no task: this runs for every request
+                    message = await receive()
+            except TimeoutError:
+                self.gw.metrics.client_refused.labels("body_timeout").inc()
+                raise GatewayError(408, f"the request body stalled for {self.body_timeout:g} s", "invalid_request_error",
+                                   "body_timeout") from None
             if message["type"] == "http.disconnect":
                 raise errors.bad_request("client disconnected while sending the body")
             chunk = message.get("body", b"")

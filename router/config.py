@@ -254,6 +254,17 @@ class AuthConfig(_Model):
     admin_key: SecretStr | None = Field(None, description="bearer key for /admin; unset = /admin from loopback only")
 
 
+class ClientConfig(_Model):
+    header_timeout_s: float = Field(10.0, gt=0, description="a client's request line and headers must arrive within "
+                                    "this long (from its connection, or from the first byte of its next request); "
+                                    "else 408 and the connection is closed")
+    max_header_bytes: int = Field(64 * 1024, ge=1024, description="request line and headers together; larger: 431 "
+                                  "and the connection is closed")
+    body_timeout_s: float = Field(30.0, gt=0, description="longest pause while a request body arrives; then 408")
+    max_connections: int | None = Field(None, ge=1, description="client connections open at once; one more is "
+                                        "closed at once. Default: 80% of the process's file-descriptor limit")
+
+
 class MembershipConfig(_Model):
     max_replicas: int = Field(256, ge=1, le=4096, description="replicas this router holds at once, configured and "
                               "added at run time (POST /admin/replicas, replicas_file, other routers through Redis)")
@@ -296,6 +307,7 @@ class RouterConfig(_Model):
     replicas_file: str | None = Field(None, description="a YAML or JSON file listing more replicas (the fields of "
                                       "replicas[]), read again when it changes: added ones join, missing ones drain")
     membership: MembershipConfig = Field(default_factory=MembershipConfig)
+    client: ClientConfig = Field(default_factory=ClientConfig)
 
     @field_validator("policy")
     @classmethod

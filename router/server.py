@@ -19,6 +19,7 @@ def run_server(config: RouterConfig, share: Any = None, worker: int = 0, sockets
     import uvicorn
 
     from .api import build_app
+    from .listener import Refusals, listener_class
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -49,8 +50,10 @@ def run_server(config: RouterConfig, share: Any = None, worker: int = 0, sockets
     except ConfigError as e:
         sys.stderr.write(f"kvroute: {e}\n")
         return 2
+    gw = app.state.gateway
+    refused = Refusals(lambda reason: gw.metrics.client_refused.labels(reason).inc())
     server = Server(uvicorn.Config(
-        app, host=config.host, port=config.port, loop="auto", http="httptools",
+        app, host=config.host, port=config.port, loop="auto", http=listener_class(config.client, refused),
         lifespan="on", log_config=None, access_log=False, server_header=False,
         proxy_headers=False,  # only /admin looks at the client's address, and it treats relayed requests itself
         timeout_graceful_shutdown=config.shutdown_grace_s, timeout_keep_alive=75, backlog=4096,

@@ -1,0 +1,140 @@
+"""The client-facing connection: limits on what a client may hold before its request is read.
+
+uvicorn's HTTP protocol (httptools) keeps a connection that never sends a request open for ever,
+buffers a header of any size, and has no limit on connections. Before authentication, any client
+could hold sockets and memory that way. :class:`Listener` is that protocol with limits:
+
+- ``client.header_timeout_s``: from connection (or the first byte of the next request on a
+  keep-alive connection) until the request's headers are complete; then 408 and close;
+- ``client.max_header_bytes``: request line and headers together; past it 431 and close;
+- ``client.max_connections``: connections open at once; one past it is closed at once (by default
+  80% of the process's file-descriptor limit, so sockets to replicas and Redis still open).
+
+Each refusal counts in ``kvroute_client_refused_total{reason}`` and is logged, at most once per
+10 s per reason with the count since. The request body's own limit (time between its chunks,
+``client.body_timeout_s``) is applied where the body is read (:mod:`router.api`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from typing import Any, Callable
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from .config import ClientConfig
+
+log = logging.getLogger("kvroute.listener")
+
+_LOG_EVERY_S = 10.0
+
+
+def default_max_connections() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 100_000
+    return max(16, int(soft * 0.8) - 64)
+
+
+class Refusals:
+    """Counts and logs refused connections (called from the protocol, on the event loop)."""
+
+    def __init__(self, count: Callable[[str], None]) -> None:
+        self._count = count
+        self._since: dict[str, int] = {}
+        self._logged: dict[str, float] = {}
+
+    def __call__(self, reason: str, client: Any) -> None:
+        self._count(reason)
+        self._since[reason] = self._since.get(reason, 0) + 1
+        now = time.monotonic()
+        if now - self._logged.get(reason, -_LOG_EVERY_S) >= _LOG_EVERY_S:
+            n = self._since.pop(reason)
+            self._logged[reason] = now
+            who = f"{client[0]}:{client[1]}" if client else "a client"
+            log.warning("closed a connection from %s: %s (%d such in the last %.0f s)", who, _WHY[reason], n,
+                        _LOG_EVERY_S)
+
+
+_WHY = {
+    "header_timeout": "its request headers did not arrive within client.header_timeout_s",
+    "header_too_large": "its request headers are larger than client.max_header_bytes",
+    "too_many_connections": "client.max_connections connections are open",
+    "body_timeout": "its request body stalled longer than client.body_timeout_s",
+}
+
+_RESPONSES = {
+    "header_timeout": (408, b"Request Timeout"),
+    "header_too_large": (431, b"Request Header Fields Too Large"),
+}
+
+
+def listener_class(cfg: ClientConfig, refused: Refusals) -> type[HttpToolsProtocol]:
+    """The HTTP protocol class uvicorn runs, with ``cfg``'s limits."""
+    max_connections = cfg.max_connections or default_max_connections()
+    if cfg.max_connections is None:
+        log.info("client connections: at most %d (80%% of this process's file-descriptor limit; "
+                 "client.max_connections sets it)", max_connections)
+
+    class Listener(HttpToolsProtocol):
+        _head_timer: asyncio.TimerHandle | None = None
+        _in_head = True
+        _head_bytes = 0
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                refused("too_many_connections", self.client)
+                transport.abort()
+                return
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._in_head and not self.transport.is_closing():
+                # everything received while the head is incomplete is head: bounded before httptools buffers more
+                self._head_bytes += len(data)
+                if self._head_bytes > cfg.max_header_bytes:
+                    self._refuse("header_too_large")
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if not self._in_head:  # the next request on this connection
+                self._in_head = True
+                self._head_bytes = 0
+                self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            self._disarm()
+            super().on_headers_complete()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(cfg.header_timeout_s, self._head_timed_out)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self._in_head and not self.transport.is_closing():
+                self._refuse("header_timeout")
+
+        def _refuse(self, reason: str) -> None:
+            refused(reason, self.client)
+            status, phrase = _RESPONSES[reason]
+            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-length: 0\r\nconnection: close\r\n\r\n" % (status, phrase))
+            self.transport.close()
+            self._disarm()
+
+    return Listener

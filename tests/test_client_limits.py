@@ -1,0 +1,110 @@
+"""What a client may hold before its request is read: connections, header time and size, body time."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+
+from helpers import wait_until
+
+FAST = ["--set", "client.header_timeout_s=0.5", "--set", "client.body_timeout_s=0.5"]
+
+
+def connect(rt) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", rt.port), timeout=5)
+    return s
+
+
+def read_all(s: socket.socket, timeout: float = 5.0) -> bytes:
+    s.settimeout(timeout)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except (ConnectionResetError, socket.timeout):
+        pass
+    return out
+
+
+def refused(rt, reason: str) -> float:
+    for line in httpx.get(rt.url + "/metrics").text.splitlines():
+        if line.startswith(f'kvroute_client_refused_total{{reason="{reason}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(cluster):
+    rt = cluster.router([cluster.sim()], *FAST)
+    s = connect(rt)
+    start = time.monotonic()
+    answer = read_all(s)
+    assert answer.startswith(b"HTTP/1.1 408") and 0.4 < time.monotonic() - start < 3
+    assert refused(rt, "header_timeout") == 1
+    wait_until(lambda: "its request headers did not arrive within client.header_timeout_s" in rt.log_tail(), 5)
+
+
+def test_headers_sent_one_byte_at_a_time_are_cut_off_at_the_header_timeout(cluster):
+    rt = cluster.router([cluster.sim()], *FAST)
+    s = connect(rt)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+    start = time.monotonic()
+    try:
+        for _ in range(40):  # slower than the timeout allows
+            s.sendall(b"x")
+            time.sleep(0.05)
+    except OSError:
+        pass
+    assert read_all(s).startswith(b"HTTP/1.1 408")
+    assert time.monotonic() - start < 3
+
+
+def test_a_header_larger_than_the_limit_gets_431_and_never_reaches_a_replica(cluster):
+    sim = cluster.sim()
+    rt = cluster.router([sim])
+    s = connect(rt)
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-session-id: " + b"a" * 200_000 + b"\r\n\r\n")
+    except OSError:
+        pass  # closed while sending: the answer was written first
+    assert read_all(s).startswith(b"HTTP/1.1 431")
+    assert httpx.get(sim.url + "/sim/state").json()["counters"]["received"] == 0
+    assert refused(rt, "header_too_large") == 1
+    ok = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+                    headers={"x-session-id": "s" * 4000}, timeout=5)
+    assert ok.status_code == 200  # a large but reasonable header is fine
+
+
+def test_a_body_shorter_than_its_content_length_is_answered_408(cluster):
+    rt = cluster.router([cluster.sim()], *FAST)
+    s = connect(rt)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: 100\r\n\r\n{\"model\": ")
+    answer = read_all(s)
+    assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer
+    assert refused(rt, "body_timeout") == 1
+
+
+def test_connections_past_the_limit_are_closed_at_once_and_logged(cluster):
+    rt = cluster.router([cluster.sim()], "--set", "client.max_connections=8", "--set", "client.header_timeout_s=1")
+    idle = [connect(rt) for _ in range(12)]
+    try:
+        closed = 0
+        for s in idle:
+            s.settimeout(0.3)
+            try:
+                closed += s.recv(1) == b""
+            except socket.timeout:
+                pass
+            except ConnectionResetError:
+                closed += 1
+        assert closed >= 4
+        assert refused(rt, "too_many_connections") >= 4
+        wait_until(lambda: "client.max_connections connections are open" in rt.log_tail(), 5)
+        # the idle ones expire after the header timeout: real requests get through again
+        wait_until(lambda: httpx.post(rt.url + "/v1/completions", timeout=5, json={
+            "model": "tiny", "prompt": "x", "max_tokens": 1}).status_code == 200, timeout=5)
+    finally:
+        for s in idle:
+            s.close()
