@@ -134,6 +134,10 @@ class HealthConfig(_Model):
     fail_threshold: int = Field(2, ge=1, description="consecutive failed checks that make a ready replica unready")
     rise_threshold: int = Field(2, ge=1, description="consecutive good checks that bring an ejected replica back")
     metrics_interval_s: float = Field(1.0, gt=0, description="seconds between scrapes of a replica's /metrics")
+    eject_after: int = Field(5, ge=1, description="requests in a row that fail on a replica (no answer, 5xx, a broken "
+                             "or silent stream) take it out of rotation, however its /health answers")
+    eject_s: float = Field(30.0, gt=0, description="how long such a replica stays out; doubled each time it is taken "
+                           "out again soon after (at most 10 times this)")
     startup_timeout_s: float = Field(900.0, gt=0, description="a replica not yet ready this long after it was added "
                                      "is reported as failed to start; until then it is starting, not failing (Gaudi "
                                      "warm-ups take up to ~10 minutes)")
@@ -143,6 +147,9 @@ class ProxyConfig(_Model):
     connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect timeout to a replica")
     request_timeout_s: float = Field(600.0, gt=0, description="longest wait for a non-streaming response")
     stream_idle_timeout_s: float = Field(60.0, gt=0, description="a stream silent this long is ended with an SSE error event")
+    stream_headers_timeout_s: float = Field(15.0, gt=0, description="longest wait for a streaming answer's headers "
+                                            "(vLLM sends them as soon as it accepts the request); then another "
+                                            "replica is tried")
     max_attempts: int = Field(3, ge=1, le=10, description="replicas tried per request (connection errors, 5xx, 429)")
     retry_backoff_s: float = Field(0.02, ge=0, description="base backoff between attempts (doubles each time, with jitter)")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="larger request bodies get 413")

@@ -59,6 +59,9 @@ class Metrics:
         self.replica_draining = Gauge(
             "kvroute_replica_draining", "1 if the replica is drained by an operator.", ["replica"], registry=r,
             multiprocess_mode="livemostrecent")
+        self.replica_ejections = Counter(
+            "kvroute_replica_ejections", "Times a replica was taken out of rotation for failing requests in a row "
+            "(health.eject_after).", ["replica"], registry=r)
         self.replica_restarts = Counter(
             "kvroute_replica_restarts", "Replica restarts seen (new process start time or counter reset).",
             ["replica"], registry=r)

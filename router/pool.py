@@ -59,6 +59,9 @@ class Replica:
         self.last_error: str | None = None
         self.restarts = 0
         self.added_at = time.monotonic()  # starting since then (warm-up)
+        self.request_failures = 0  # proxied requests that failed in a row
+        self.ejections = 0  # times taken out for that, in a row
+        self.ejected_until = 0.0
         self.failed_to_start: str | None = None
         # (name, value) pairs for the health checks (httpx), the same as header lines for the proxy
         self.upstream_headers: tuple[tuple[str, str], ...] = (
@@ -142,6 +145,8 @@ class Replica:
                 "scraped_at": self.stats_at,
             },
             "failed_to_start": self.failed_to_start,
+            "failed_requests_in_a_row": self.request_failures,
+            "ejected_for_s": max(0.0, round(self.ejected_until - time.monotonic(), 1)),
             "consecutive_failures": self.fails,
             "last_error": self.last_error,
             "restarts": self.restarts,
@@ -323,7 +328,35 @@ class ReplicaPool:
                     "last check: %s", r.name, waited, reason, extra={"replica": r.name})
         self.events.publish(ReplicaUnready(r.name, r.failed_to_start))
 
+    def request_outcome(self, r: Replica, failed: bool, why: str = "") -> None:
+        """A proxied request's end on ``r`` (passive outlier detection): ``health.eject_after`` failures in a
+        row take it out of rotation for ``health.eject_s`` (doubling if it happens again), even while its
+        /health answers 200 (a replica that breaks every stream, or accepts and never answers)."""
+        if not failed:
+            r.request_failures = 0
+            if r.ready and r.ejections and time.monotonic() > r.ejected_until + self.health.eject_s:
+                r.ejections = 0  # well for a while: the next ejection starts short again
+            return
+        r.request_failures += 1
+        if r.request_failures < self.health.eject_after or r.state != "ready":
+            return
+        backoff = min(self.health.eject_s * 2 ** r.ejections, 10 * self.health.eject_s)
+        r.ejections += 1
+        r.ejected_until = time.monotonic() + backoff
+        r.request_failures = 0
+        r.successes = 0
+        r.state = "unready"
+        r.last_error = f"ejected for {backoff:g} s: {self.health.eject_after} requests in a row failed (last: {why})"
+        r.view = r.make_view()
+        r.m_ready.set(0)
+        self.metrics.replica_ejections.labels(r.name).inc()
+        log.warning("replica %s taken out of rotation for %g s: %d requests in a row failed (last: %s)", r.name,
+                    backoff, self.health.eject_after, why, extra={"replica": r.name})
+        self.events.publish(ReplicaUnready(r.name, r.last_error))
+
     def mark_success(self, r: Replica) -> None:
+        if r.state == "unready" and time.monotonic() < r.ejected_until:
+            return  # ejected: /health answering does not bring it back before its time
         r.fails = 0
         r.successes += 1
         r.last_error = None

@@ -176,7 +176,8 @@ class Forwarder:
                 ticket.finish(call.status or 499)
                 raise
             if failure is None:
-                ticket.finish(call.status, call.prompt_tokens)
+                broken = {"upstream_broke": "the stream broke", "stream_idle_timeout": "the stream fell silent"}
+                ticket.finish(call.status, call.prompt_tokens, broken.get(call.outcome))
                 return
             ticket.failed(failure.kind)
             self.metrics.upstream_errors.labels(ticket.name, failure.kind).inc()
@@ -195,9 +196,11 @@ class Forwarder:
         assert replica.upstream is not None
         headers = b"%sx-request-id: %s\r\n%s" % (call.headers, call.request_id.encode("latin-1"), replica.header_lines)
         wait = self.cfg.stream_idle_timeout_s if call.stream else self.cfg.request_timeout_s
+        # a stream's headers come as soon as vLLM accepts the request; a JSON answer's with the whole answer
+        headers_wait = min(wait, self.cfg.stream_headers_timeout_s) if call.stream else wait
         call.sent_at = time.perf_counter()
         try:
-            upstream = await replica.upstream.request(b"POST", call.path, headers, call.body, wait)
+            upstream = await replica.upstream.request(b"POST", call.path, headers, call.body, headers_wait)
         except UpstreamError as e:
             return _Failure(ticket.name, e.kind)
         try:

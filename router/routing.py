@@ -83,13 +83,17 @@ class Ticket:
             self._prefilled()
             self._router._failed(self, kind)
 
-    def finish(self, status: int, prompt_tokens: int | None = None) -> None:
+    def finish(self, status: int, prompt_tokens: int | None = None, broken: str | None = None) -> None:
         """The answer ended (completed, broken mid-stream, or the client left); ``prompt_tokens`` is the
-        replica's count of the prompt, when its answer said."""
+        replica's count of the prompt, when its answer said; ``broken`` says how the replica broke it."""
         if self._open:
             self._open = False
             self._prefilled()
             self._router._finished(self, status, prompt_tokens)
+            if broken is not None:
+                self._router.pool.request_outcome(self.replica, True, broken)
+            elif 0 < status < 500 and status != 499:  # the client leaving says nothing of the replica
+                self._router.pool.request_outcome(self.replica, False)
 
     def _prefilled(self) -> None:
         if self._pending:
@@ -216,6 +220,8 @@ class Router:
         failure = KINDS.get(kind)
         if failure is not None and failure.health == "eject":
             self.pool.mark_failure(ticket.replica, f"{failure.message} (proxy)", immediate=True)
+        if kind != "status_429":  # back-pressure, not a fault
+            self.pool.request_outcome(ticket.replica, True, failure.message if failure is not None else kind)
         self.admission.release(ticket.name)
 
     async def _withdraw(self, receipt: Receipt) -> None:

@@ -91,8 +91,10 @@ def test_server_error_before_the_first_byte_is_retried_elsewhere(cluster):
         r = complete(rt.url)
         assert r.status_code == 200
         assert r.headers["x-kvroute-replica"] == "127.0.0.1:%d" % b.port
-    assert sim_state(a)["failed"] >= 1, "some requests were tried on the failing replica first"
-    assert replicas_view(rt)[a.url]["ready"], "5xx answers are retried, not a health verdict"
+    failed = sim_state(a)["failed"]
+    assert failed >= 1, "some requests were tried on the failing replica first"
+    # one 5xx is retried, not a verdict; health.eject_after (5) in a row take the replica out
+    assert replicas_view(rt)[a.url]["ready"] == (failed < 5)
 
 
 def test_rate_limited_replica_is_retried_elsewhere(cluster):
@@ -182,3 +184,43 @@ def test_a_json_answer_cut_short_is_answered_by_another_replica_and_not_logged_a
     assert "internal error" not in log and "Traceback" not in log
     assert "cut short before it reached the client" in log
     assert f'kvroute_upstream_errors_total{{kind="body_broken",replica="{cut_name}"}}' in httpx.get(rt.url + "/metrics").text
+
+
+def _stream(rt, i: int) -> tuple[str, list[str]]:
+    r = httpx.post(rt.url + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny", "messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 8, "stream": True})
+    return r.headers.get("x-kvroute-replica", ""), sse_events(r.content)
+
+
+def test_a_replica_that_breaks_every_stream_is_taken_out_of_rotation_and_back_after_its_time(cluster):
+    bad, good = cluster.sim("--die-after-chunks", "3"), cluster.sim()
+    rt = cluster.router([bad, good], "--set", "health.eject_s=2", "--set", "health.interval_s=0.2")
+    bad_name = f"127.0.0.1:{bad.port}"
+    broken = 0
+    for i in range(40):
+        name, events = _stream(rt, i)
+        if name == bad_name:
+            broken += 1
+            assert "error" in events[-2]
+    assert broken == 5  # health.eject_after: then it got nothing
+    view = replicas_view(rt)[bad.url]
+    assert view["state"] == "unready" and "ejected" in view["last_error"]
+    assert f'kvroute_replica_ejections_total{{replica="{bad_name}"}} 1.0' in httpx.get(rt.url + "/metrics").text
+    set_faults(bad, die_after_chunks=-1)  # mended: back once its time is over and /health answers
+    wait_until(lambda: replicas_view(rt)[bad.url]["state"] == "ready", timeout=10, interval=0.2)
+    assert bad_name in {_stream(rt, 100 + i)[0] for i in range(20)}
+
+
+def test_a_replica_that_accepts_and_never_answers_costs_a_stream_only_the_headers_timeout_then_leaves(cluster):
+    hung, good = cluster.sim("--hang"), cluster.sim()
+    rt = cluster.router([hung, good], "--set", "proxy.stream_headers_timeout_s=0.5")
+    slow = 0
+    for i in range(20):
+        start = time.monotonic()
+        name, events = _stream(rt, i)
+        took = time.monotonic() - start
+        assert name == f"127.0.0.1:{good.port}" and events[-1] == "[DONE]"
+        assert took < 2.0  # one headers timeout at most, then another replica
+        slow += took > 0.4
+    assert slow == 5  # then it was out of rotation
+    assert replicas_view(rt)[hung.url]["state"] == "unready"
