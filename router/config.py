@@ -340,17 +340,20 @@ class ConfigError(Exception):
     """Raised with a message that names each invalid field."""
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def _format_validation_error(err: ValidationError, title: str = "invalid configuration", where: str | None = None,
+                             longest: int | None = None) -> str:
+    """One line per invalid field, named by its path (under ``where``), with the value given unless it is a
+    key or a structure (cut to ``longest`` characters)."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(config)"
+        loc = ".".join(str(p) for p in ((where,) if where else ()) + tuple(e["loc"])) or "(config)"
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
-        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {repr(got)[:longest]})"
         if "api_key" in loc or "admin_key" in loc:
             shown = ""
         lines.append(f"  {loc}: {msg}{shown}")
-    return "invalid configuration:\n" + "\n".join(lines)
+    return f"{title}:\n" + "\n".join(lines)
 
 
 def replica_from(data: Any, where: str) -> ReplicaConfig:
@@ -361,13 +364,7 @@ def replica_from(data: Any, where: str) -> ReplicaConfig:
     try:
         return ReplicaConfig.model_validate(data)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(p) for p in (where, *err["loc"]))
-            got = err.get("input")
-            shown = "" if isinstance(got, (dict, list)) or got is None or "api_key" in loc else f" (got {got!r:.80})"
-            lines.append(f"  {loc}: {err['msg'].removeprefix('Value error, ')}{shown}")
-        raise ConfigError("invalid replica:\n" + "\n".join(lines)) from None
+        raise ConfigError(_format_validation_error(e, "invalid replica", where, longest=80)) from None
 
 
 def parse_replica_spec(spec: str) -> dict[str, Any]:

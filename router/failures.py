@@ -15,14 +15,16 @@ from typing import Literal
 class FailureKind:
     label: str  # the ``kind`` label of kvroute_upstream_errors_total and kvroute_retries_total
     retry: bool  # may be tried again on another replica (only before the first byte went to the client)
-    health: Literal["ignore", "eject"]  # eject: the replica is taken out of rotation at once
+    # what it says of the replica: eject takes it out of rotation at once; count adds to its failures in a row
+    # (health.eject_after of them take it out); ignore says nothing (429 is back-pressure, not a fault)
+    health: Literal["ignore", "count", "eject"]
     status: int  # what the client gets when every attempt failed so and no replica answer can be passed on
     type: str  # the OpenAI error type of that answer (or of the SSE error event once streaming)
     code: str
     message: str
 
 
-def _kind(label: str, retry: bool, health: Literal["ignore", "eject"], status: int, type: str, code: str,
+def _kind(label: str, retry: bool, health: Literal["ignore", "count", "eject"], status: int, type: str, code: str,
           message: str) -> FailureKind:
     return FailureKind(label, retry, health, status, type, code, message)
 
@@ -30,19 +32,19 @@ def _kind(label: str, retry: bool, health: Literal["ignore", "eject"], status: i
 KINDS: dict[str, FailureKind] = {k.label: k for k in (
     # before the response: nothing reached the client, another replica may answer
     _kind("connect", True, "eject", 502, "upstream_error", "upstream_unavailable", "could not connect"),
-    _kind("connect_timeout", True, "ignore", 504, "upstream_error", "upstream_timeout", "connecting timed out"),
-    _kind("timeout", True, "ignore", 504, "upstream_error", "upstream_timeout", "no response in time"),
-    _kind("closed", True, "ignore", 502, "upstream_error", "upstream_unavailable", "closed the connection"),
-    _kind("protocol", True, "ignore", 502, "upstream_error", "upstream_unavailable", "sent invalid HTTP"),
+    _kind("connect_timeout", True, "count", 504, "upstream_error", "upstream_timeout", "connecting timed out"),
+    _kind("timeout", True, "count", 504, "upstream_error", "upstream_timeout", "no response in time"),
+    _kind("closed", True, "count", 502, "upstream_error", "upstream_unavailable", "closed the connection"),
+    _kind("protocol", True, "count", 502, "upstream_error", "upstream_unavailable", "sent invalid HTTP"),
     # the replica answered with an error: passed on as it was if no other replica does better
-    _kind("status_5xx", True, "ignore", 502, "upstream_error", "upstream_unavailable", "answered 5xx"),
+    _kind("status_5xx", True, "count", 502, "upstream_error", "upstream_unavailable", "answered 5xx"),
     _kind("status_429", True, "ignore", 429, "rate_limit_error", "upstream_overloaded", "answered 429"),
     # a JSON answer cut short while the router still held it: nothing reached the client
-    _kind("body_broken", True, "ignore", 502, "upstream_error", "upstream_disconnected",
+    _kind("body_broken", True, "count", 502, "upstream_error", "upstream_disconnected",
           "ended its answer early"),
     # after the first byte the answer is committed: never retried, ended with an SSE error event
-    _kind("stream_broken", False, "ignore", 502, "upstream_error", "upstream_disconnected",
+    _kind("stream_broken", False, "count", 502, "upstream_error", "upstream_disconnected",
           "the replica ended the stream unexpectedly"),
-    _kind("stream_idle_timeout", False, "ignore", 504, "timeout", "stream_idle_timeout",
+    _kind("stream_idle_timeout", False, "count", 504, "timeout", "stream_idle_timeout",
           "the replica sent nothing for too long"),
 )}

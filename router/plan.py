@@ -390,18 +390,19 @@ def plan(model: str | Path, target: Target) -> Plan:
             return Option(tp, False, f"{s.heads} attention heads do not divide by TP {tp}", pp)
         if per_node == 0:
             return Option(tp, False, f"a node has {pf.devices_per_node} devices", pp)
+        weights_share = w.bytes / (tp * pp)  # what each device of the replica holds
         if pf.name == "cpu":
             kv_mem = target.kv_cache_space_gib * GIB
         else:
-            kv_mem = memory * target.gpu_memory_utilization - w.bytes / (tp * pp) - reserve
+            kv_mem = memory * target.gpu_memory_utilization - weights_share - reserve
         if kv_mem <= 0:
-            need = (w.bytes / (tp * pp) + reserve) / target.gpu_memory_utilization
+            need = (weights_share + reserve) / target.gpu_memory_utilization
             return Option(tp, False, f"needs {_gb(need)} per device at utilization {target.gpu_memory_utilization} "
-                          f"(weights {_gb(w.bytes / (tp * pp))} + reserve {_gb(reserve)}); a device has "
-                          f"{_gb(memory)}", pp)
-        blocks = int(kv_mem // (block * kvb.per_token))
-        full = blocks // max(1, math.ceil(kvb.per_sequence(target.max_model_len) / (block * kvb.per_token)))
-        typical = math.ceil(kvb.per_sequence(seq_len) / (block * kvb.per_token))
+                          f"(weights {_gb(weights_share)} + reserve {_gb(reserve)}); a device has {_gb(memory)}", pp)
+        per_block = block * kvb.per_token
+        blocks = int(kv_mem // per_block)
+        full = blocks // max(1, math.ceil(kvb.per_sequence(target.max_model_len) / per_block))
+        typical = math.ceil(kvb.per_sequence(seq_len) / per_block)
         max_seqs = max(1, min(256, blocks // max(1, typical)))
         why = "fits" if full >= 1 else f"KV for one {target.max_model_len}-token sequence does not fit"
         if pp > 1:

@@ -314,19 +314,21 @@ class ReplicaPool:
             return
         if r.state != "ready" or (not immediate and r.fails < self.health.fail_threshold):
             return
+        log.warning("replica %s is unready: %s", r.name, reason, extra={"replica": r.name})
+        self._take_out(r, reason)
+
+    def _failed_to_start(self, r: Replica, reason: str, waited: float) -> None:
+        r.failed_to_start = f"did not become ready within {self.health.startup_timeout_s:g} s (last: {reason})"
+        log.warning("replica %s failed to start: not ready %.0f s after it was added (health.startup_timeout_s); "
+                    "last check: %s", r.name, waited, reason, extra={"replica": r.name})
+        self._take_out(r, r.failed_to_start)
+
+    def _take_out(self, r: Replica, reason: str) -> None:
+        """``r`` is unready now: routing stops choosing it, and subscribers hear why."""
         r.state = "unready"
         r.view = r.make_view()
         r.m_ready.set(0)
-        log.warning("replica %s is unready: %s", r.name, reason, extra={"replica": r.name})
         self.events.publish(ReplicaUnready(r.name, reason))
-
-    def _failed_to_start(self, r: Replica, reason: str, waited: float) -> None:
-        r.state = "unready"
-        r.failed_to_start = f"did not become ready within {self.health.startup_timeout_s:g} s (last: {reason})"
-        r.view = r.make_view()
-        log.warning("replica %s failed to start: not ready %.0f s after it was added (health.startup_timeout_s); "
-                    "last check: %s", r.name, waited, reason, extra={"replica": r.name})
-        self.events.publish(ReplicaUnready(r.name, r.failed_to_start))
 
     def request_outcome(self, r: Replica, failed: bool, why: str = "") -> None:
         """A proxied request's end on ``r`` (passive outlier detection): ``health.eject_after`` failures in a
@@ -345,14 +347,11 @@ class ReplicaPool:
         r.ejected_until = time.monotonic() + backoff
         r.request_failures = 0
         r.successes = 0
-        r.state = "unready"
         r.last_error = f"ejected for {backoff:g} s: {self.health.eject_after} requests in a row failed (last: {why})"
-        r.view = r.make_view()
-        r.m_ready.set(0)
         self.metrics.replica_ejections.labels(r.name).inc()
         log.warning("replica %s taken out of rotation for %g s: %d requests in a row failed (last: %s)", r.name,
                     backoff, self.health.eject_after, why, extra={"replica": r.name})
-        self.events.publish(ReplicaUnready(r.name, r.last_error))
+        self._take_out(r, r.last_error)
 
     def mark_success(self, r: Replica) -> None:
         if r.state == "unready" and time.monotonic() < r.ejected_until:

@@ -43,12 +43,12 @@ _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"t
                          b"proxy-authenticate", b"proxy-connection", b"date", b"server", b"x-request-id"})
 _MAX_ERROR_BODY = 64 * 1024
 _BUFFERED = 1 << 20  # a JSON answer up to this size is read whole before the client gets any of it
+# usage.prompt_tokens in an answer (the whole body, or a stream's usage chunk): teaches byte mode
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,9})')
 
 
 class _Cut(Exception):
     """A JSON answer larger than the buffer broke after part of it was sent: the connection is dropped."""
-# usage.prompt_tokens in an answer (the whole body, or a stream's usage chunk): teaches byte mode
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,9})')
 
 
 @dataclass
@@ -74,6 +74,7 @@ class Call:
     upstream_ttfb: float | None = None  # from then to the replica's first body byte
     sse_open: bool = False  # an SSE stream has started and not ended: it can still be closed with an error event
     tail: bytes = b"\n\n"  # the last bytes sent on it
+    broken: str | None = None  # the failure kind that ended the answer after it started
 
 
 @dataclass
@@ -176,8 +177,7 @@ class Forwarder:
                 ticket.finish(call.status or 499)
                 raise
             if failure is None:
-                broken = {"upstream_broke": "the stream broke", "stream_idle_timeout": "the stream fell silent"}
-                ticket.finish(call.status, call.prompt_tokens, broken.get(call.outcome))
+                ticket.finish(call.status, call.prompt_tokens, call.broken)
                 return
             ticket.failed(failure.kind)
             self.metrics.upstream_errors.labels(ticket.name, failure.kind).inc()
@@ -229,7 +229,8 @@ class Forwarder:
                     chunk = await upstream.next_chunk(wait)
                     if chunk is None:
                         break
-                    self._first_byte(call, ticket, upstream.status)
+                    if call.ttfb is None:
+                        self._first_byte(call, ticket, upstream.status)
                     held.append(chunk)
                     size += len(chunk)
             except UpstreamError as e:
@@ -256,7 +257,8 @@ class Forwarder:
                 chunk = await upstream.next_chunk(wait)
                 if chunk is None:
                     break
-                self._first_byte(call, ticket, upstream.status)
+                if call.ttfb is None:  # checked here: this loop runs for every chunk of every stream
+                    self._first_byte(call, ticket, upstream.status)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 call.tail = chunk[-2:]
                 self._learn(call, ticket, chunk)
@@ -264,6 +266,7 @@ class Forwarder:
             idle = isinstance(e, ReadTimeout)
             kind = KINDS["stream_idle_timeout" if idle else "stream_broken"]
             call.outcome = "stream_idle_timeout" if idle else "upstream_broke"
+            call.broken = kind.label
             self.metrics.upstream_errors.labels(ticket.name, kind.label).inc()
             if not idle:
                 log.warning("stream from %s broke: %s", ticket.name, e,
@@ -281,12 +284,12 @@ class Forwarder:
 
     @staticmethod
     def _first_byte(call: Call, ticket: Ticket, status: int) -> None:
-        if call.ttfb is None:
-            ticket.first_byte(status)
-            now = time.perf_counter()
-            call.upstream_ttfb = now - call.sent_at
-            call.ttfb = now - call.started
-            ticket.replica.m_ttfb.observe(call.ttfb)
+        """The answer's first byte came: routing hears it, and the time to first byte is taken."""
+        ticket.first_byte(status)
+        now = time.perf_counter()
+        call.upstream_ttfb = now - call.sent_at
+        call.ttfb = now - call.started
+        ticket.replica.m_ttfb.observe(call.ttfb)
 
     @staticmethod
     def _learn(call: Call, ticket: Ticket, data: bytes) -> None:

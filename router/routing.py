@@ -85,15 +85,14 @@ class Ticket:
 
     def finish(self, status: int, prompt_tokens: int | None = None, broken: str | None = None) -> None:
         """The answer ended (completed, broken mid-stream, or the client left); ``prompt_tokens`` is the
-        replica's count of the prompt, when its answer said; ``broken`` says how the replica broke it."""
+        replica's count of the prompt, when its answer said; ``broken`` the failure kind that ended a
+        stream the replica broke."""
         if self._open:
             self._open = False
             self._prefilled()
             self._router._finished(self, status, prompt_tokens)
-            if broken is not None:
-                self._router.pool.request_outcome(self.replica, True, broken)
-            elif 0 < status < 500 and status != 499:  # the client leaving says nothing of the replica
-                self._router.pool.request_outcome(self.replica, False)
+            if broken is not None or (0 < status < 500 and status != 499):  # a client leaving says nothing
+                self._router._judge(self, broken)
 
     def _prefilled(self) -> None:
         if self._pending:
@@ -217,12 +216,19 @@ class Router:
         if ticket._receipts and self.index is not None:
             for receipt in ticket._receipts:
                 self._background.spawn(self._withdraw(receipt))
-        failure = KINDS.get(kind)
-        if failure is not None and failure.health == "eject":
+        failure = KINDS[kind]
+        if failure.health == "eject":
             self.pool.mark_failure(ticket.replica, f"{failure.message} (proxy)", immediate=True)
-        if kind != "status_429":  # back-pressure, not a fault
-            self.pool.request_outcome(ticket.replica, True, failure.message if failure is not None else kind)
+        self._judge(ticket, kind)
         self.admission.release(ticket.name)
+
+    def _judge(self, ticket: Ticket, kind: str | None) -> None:
+        """Passive outlier detection: what this attempt's end says of its replica (a failure kind, or None
+        for an answer that went through)."""
+        if kind is None:
+            self.pool.request_outcome(ticket.replica, False)
+        elif KINDS[kind].health != "ignore":
+            self.pool.request_outcome(ticket.replica, True, KINDS[kind].message)
 
     async def _withdraw(self, receipt: Receipt) -> None:
         assert self.index is not None

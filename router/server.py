@@ -26,8 +26,7 @@ def run_server(config: RouterConfig, share: Any = None, worker: int = 0, sockets
             # First SIGTERM: /ready turns 503 and requests are still served for a moment, so a load balancer
             # that polls /ready stops sending before connections are refused; then the listener closes and
             # in-flight streams have shutdown_grace_s. A second signal stops at once.
-            gw = getattr(getattr(app, "state", None), "gateway", None)
-            if gw is None or gw.stopping or self.should_exit:
+            if gw.stopping or self.should_exit:
                 return super().handle_exit(sig, frame)
             gw.stopping = True
             wait = gw.unready_period()

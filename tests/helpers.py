@@ -24,6 +24,11 @@ def set_faults(sim: Proc, **faults: object) -> None:
     httpx.post(sim.url + "/sim/faults", json=faults, timeout=2).raise_for_status()
 
 
+def replica_names(router_proc: Proc) -> set[str]:
+    """The names of the replicas a router holds now (any state)."""
+    return {r["name"] for r in httpx.get(router_proc.url + "/admin/replicas", timeout=5).json()["replicas"]}
+
+
 def replicas_view(router_proc: Proc, headers: dict[str, str] | None = None) -> dict[str, dict]:
     body = httpx.get(router_proc.url + "/admin/replicas", headers=headers, timeout=2).json()
     return {r["url"]: r for r in body["replicas"]}

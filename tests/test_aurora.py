@@ -9,14 +9,11 @@ from pathlib import Path
 
 import httpx
 
-from helpers import refused, wait_until
+from helpers import refused, replica_names as names, wait_until
 from loadtest.cluster import Proc, free_ports
 
 SCRIPT = Path(__file__).parent.parent / "deploy" / "aurora" / "kvroute-replicas.pbs"
 
-
-def names(rt: Proc) -> set[str]:
-    return {r["name"] for r in httpx.get(rt.url + "/admin/replicas", timeout=5).json()["replicas"]}
 
 
 def test_the_job_registers_its_replicas_serves_through_both_routers_and_deregisters_at_its_end(

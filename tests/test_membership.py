@@ -8,13 +8,10 @@ import time
 
 import httpx
 
-from helpers import replicas_view, sse_events, wait_until
+from helpers import replica_names as names, replicas_view, sse_events, wait_until
 
 ADMIN = "/admin/replicas"
 
-
-def names(rt) -> set[str]:
-    return {r["name"] for r in httpx.get(rt.url + ADMIN, timeout=5).json()["replicas"]}
 
 
 def served_by(rt, n: int = 30) -> set[str]:
