@@ -179,3 +179,12 @@ def wait_redis(proc: Proc, timeout: float = 10.0) -> None:
             pass
         time.sleep(0.05)
     raise TimeoutError(f"redis on port {proc.port} did not answer PING; log: {proc.log_tail()}")
+
+
+def prometheus_server(config: Path, data_dir: Path, port: int | None = None, log_dir: Path | None = None) -> Proc:
+    """Debian's (or any) ``prometheus`` binary on 127.0.0.1 with its own data folder."""
+    port = port or free_port()
+    argv = ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={data_dir}",
+            f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]
+    return Proc(f"prometheus-{port}", argv, port,
+                log_path=(log_dir / f"prometheus-{port}.log") if log_dir else None)

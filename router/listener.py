@@ -83,6 +83,7 @@ def listener_class(cfg: ClientConfig, refused: Refusals) -> type[HttpToolsProtoc
         _head_timer: asyncio.TimerHandle | None = None
         _in_head = True
         _head_bytes = 0
+        _head_tail = b""  # the last bytes of the head so far: its end may be split across reads
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -97,18 +98,24 @@ def listener_class(cfg: ClientConfig, refused: Refusals) -> type[HttpToolsProtoc
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            super().data_received(data)
             if self._in_head and not self.transport.is_closing():
-                # everything received while the head is incomplete is head: bounded before httptools buffers more
-                self._head_bytes += len(data)
+                # Counted before httptools sees the bytes: a head that ends in this chunk is parsed (and its
+                # headers completed) by the call below, so the limit is checked first, up to the head's end.
+                seen = self._head_tail + data
+                end = seen.find(b"\r\n\r\n")
+                self._head_bytes += len(data) if end < 0 else end + 4 - len(self._head_tail)
+                self._head_tail = seen[-3:]
                 if self._head_bytes > cfg.max_header_bytes:
                     self._refuse("header_too_large")
+                    return
+            super().data_received(data)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             if not self._in_head:  # the next request on this connection
                 self._in_head = True
                 self._head_bytes = 0
+                self._head_tail = b""
                 self._arm()
 
         def on_headers_complete(self) -> None:

@@ -3,11 +3,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup-venv.sh test
-if ! command -v redis-server >/dev/null; then
+# Real services the tests start themselves: redis-server, and Debian's prometheus (with promtool).
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+{ command -v prometheus >/dev/null && command -v promtool >/dev/null; } || missing+=(prometheus)
+if [ ${#missing[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "redis-server is missing: install it (apt-get install redis-server)" >&2
+    echo "missing: ${missing[*]}: install them (apt-get install ${missing[*]})" >&2
     exit 1
   fi
 fi

@@ -51,7 +51,7 @@ def test_replica_commands_parse():
 
 
 def test_prometheus_scrapes_every_router_and_replica():
-    prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
     assert targets == {f"{n}:8000" for n in services("router-") + services("replica-")}
 
