@@ -16,7 +16,7 @@ generation requests with that status), ``health_status`` (what /health answers),
 (accept generation requests and never answer), ``die_after_chunks`` (drop the connection after N
 SSE chunks), ``exit_after_chunks`` (kill the whole process after N chunks), ``stall_after_chunks``
 (stop sending, keep the connection open), ``cut_bodies`` (the next N non-streaming answers stop
-halfway through their declared length and the connection drops). ``GET /sim/state`` returns counters and the headers of
+halfway through their declared length and the connection drops). ``GET /sim/state`` returns counters and the headers and body of
 the last generation request. None of ``/sim/*`` exists on a real vLLM.
 """
 
@@ -77,6 +77,7 @@ class Counters:
     prefix_queries: int = 0
     prefix_hits: int = 0
     last_headers: dict[str, str] = field(default_factory=dict)
+    last_body: dict[str, Any] = field(default_factory=dict)  # the last generation request, as parsed
 
 
 class _Abort(Exception):
@@ -383,6 +384,7 @@ class VLLMSimulator:
                 f"fewer output tokens. (parameter=max_tokens, value={max_tokens})", "BadRequestError", "max_tokens", 400))
         self.c.received += 1
         self.c.last_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        self.c.last_body = req
         f = self.faults
         if f.fail_count > 0 and f.fail_status:
             f.fail_count -= 1

@@ -30,6 +30,7 @@ from .auth import Auth
 from .config import RouterConfig
 from .errors import GatewayError
 from .events import EventBus
+from .failover import transcript_for
 from .index import PrefixIndex, build_index
 from .index.fallback import FallbackIndex
 from .index.memory import MemoryIndex
@@ -146,6 +147,7 @@ class ProxyEndpoint:
         self.required = required
         self.limit = gateway.config.proxy.max_body_bytes
         self.body_timeout = gateway.config.client.body_timeout_s
+        self.failover = gateway.config.proxy.stream_failover
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         started = time.perf_counter()
@@ -174,9 +176,11 @@ class ProxyEndpoint:
                 session = session_digest(v)
         route = RouteRequest(model=model, request_id=request_id, endpoint=self.path, session_id=session,
                              payload=payload, body_size=len(body))
+        stream = _streams(payload.get("stream"))
         call = Call(
-            path=self.path, body=body, model=model, stream=_streams(payload.get("stream")),
+            path=self.path, body=body, model=model, stream=stream,
             request_id=request_id, headers=client_headers(headers), started=started, route=route,
+            resume=transcript_for(self.path, payload) if stream and self.failover else None,
         )
         await self.gw.forwarder(call, receive, send)
 

@@ -146,7 +146,11 @@ class HealthConfig(_Model):
 class ProxyConfig(_Model):
     connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect timeout to a replica")
     request_timeout_s: float = Field(600.0, gt=0, description="longest wait for a non-streaming response")
-    stream_idle_timeout_s: float = Field(60.0, gt=0, description="a stream silent this long is ended with an SSE error event")
+    stream_idle_timeout_s: float = Field(60.0, gt=0, description="a stream silent this long is ended with an SSE error "
+                                         "event (or continued on another replica, stream_failover)")
+    stream_failover: bool = Field(True, description="a stream whose replica breaks it (or falls silent) after it "
+                                  "started goes on on another replica: chat and completions with one choice, no "
+                                  "logprobs, no structured output; false: it ends with an SSE error event")
     stream_headers_timeout_s: float = Field(15.0, gt=0, description="longest wait for a streaming answer's headers "
                                             "(vLLM sends them as soon as it accepts the request); then another "
                                             "replica is tried")

@@ -47,4 +47,7 @@ KINDS: dict[str, FailureKind] = {k.label: k for k in (
           "the replica ended the stream unexpectedly"),
     _kind("stream_idle_timeout", False, "count", 504, "timeout", "stream_idle_timeout",
           "the replica sent nothing for too long"),
+    # a replica asked to continue a broken stream (proxy.stream_failover) did not answer with a stream
+    _kind("continuation_refused", False, "ignore", 502, "upstream_error", "upstream_disconnected",
+          "no replica could continue the stream"),
 )}

@@ -44,6 +44,10 @@ class Metrics:
             ["reason"], registry=r)
         self.upstream_errors = Counter(
             "kvroute_upstream_errors", "Failures talking to a replica, by kind.", ["replica", "kind"], registry=r)
+        self.stream_failovers = Counter(
+            "kvroute_stream_failovers", "Streams a replica broke after they started, by what followed: completed "
+            "(another replica generated the rest), failed (no replica could), not_resumable (the request does not "
+            "qualify, or proxy.stream_failover is off).", ["outcome"], registry=r)
         self.queue_length = Gauge(
             "kvroute_queue_length", "Requests waiting for a replica with free capacity.", registry=r,
             multiprocess_mode="livesum")

@@ -8,9 +8,10 @@ Attempts: a connection error, a timeout before the response started, or a 5xx/42
 tried again on another replica (never the same one twice, at most ``proxy.max_attempts``
 replicas, short jittered backoff). A 4xx is the client's problem: it is passed through and
 never retried. Once the first byte went to the client the answer is committed: a stream that
-breaks or stays silent longer than ``proxy.stream_idle_timeout_s`` is ended with an SSE error
-event. When the client disconnects, the upstream request is closed at once, which makes vLLM
-abort it and free its KV blocks.
+breaks or stays silent longer than ``proxy.stream_idle_timeout_s`` goes on on another replica
+when the request qualifies (:mod:`router.failover`), else it is ended with an SSE error event.
+When the client disconnects, the upstream request is closed at once, which makes vLLM abort it
+and free its KV blocks.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any
 
 from .config import ProxyConfig
 from .errors import GatewayError
-from .failures import KINDS
+from .failover import Splice, SpliceError, Transcript, continuation
+from .failures import KINDS, FailureKind
 from .metrics import Metrics
 from .pool import ReplicaPool
 from .request import RouteRequest
@@ -75,6 +77,9 @@ class Call:
     sse_open: bool = False  # an SSE stream has started and not ended: it can still be closed with an error event
     tail: bytes = b"\n\n"  # the last bytes sent on it
     broken: str | None = None  # the failure kind that ended the answer after it started
+    resume: Transcript | None = None  # kept for a stream that may go on on another replica if its own fails
+    splice: Splice | None = None  # set while another replica continues the stream
+    continued: bytes | None = None  # the request body that asks for the continuation
 
 
 @dataclass
@@ -86,6 +91,7 @@ class _Failure:
     status: int | None = None
     headers: list[tuple[bytes, bytes]] | None = None
     body: bytes = b""
+    resume: bool = False  # a started stream broke, and another replica may continue it
 
 
 def client_headers(scope_headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -165,6 +171,9 @@ class Forwarder:
             try:
                 ticket = await self.router.route(call.route)
             except GatewayError:
+                if call.splice is not None:
+                    assert failure is not None
+                    return await self._end_stream(call, send, failure.kind)
                 if failure is not None:  # no replica left to try: answer the last failure
                     return await self._give_up(call, send, failure)
                 raise
@@ -178,14 +187,28 @@ class Forwarder:
                 raise
             if failure is None:
                 ticket.finish(call.status, call.prompt_tokens, call.broken)
+                if call.splice is not None:
+                    self.metrics.stream_failovers.labels("completed").inc()
+                    call.outcome = "continued"
                 return
             ticket.failed(failure.kind)
-            self.metrics.upstream_errors.labels(ticket.name, failure.kind).inc()
-            if not KINDS[failure.kind].retry or call.attempts >= self.cfg.max_attempts:
+            if failure.resume:  # counted as an upstream error where the stream broke
+                assert call.resume is not None
+                call.continued = continuation(call.path, call.body, call.resume)
+                call.splice = Splice(call.resume)
+                call.broken = None  # the break is this replica's; the next one is judged by its own answer
+                log.info("stream from %s broke after %d token(s) (%s); continuing on another replica", ticket.name,
+                         call.resume.tokens, failure.kind, extra={"request_id": call.request_id, "replica": ticket.name})
+            else:
+                self.metrics.upstream_errors.labels(ticket.name, failure.kind).inc()
+            if not KINDS[failure.kind].retry and not failure.resume or call.attempts >= self.cfg.max_attempts:
+                if call.splice is not None:
+                    return await self._end_stream(call, send, failure.kind)
                 return await self._give_up(call, send, failure)
             self.metrics.retries.labels(failure.kind).inc()
-            log.info("attempt %d on %s failed (%s); trying another replica", call.attempts, ticket.name,
-                     failure.kind, extra={"request_id": call.request_id, "replica": ticket.name})
+            if not failure.resume:
+                log.info("attempt %d on %s failed (%s); trying another replica", call.attempts, ticket.name,
+                         failure.kind, extra={"request_id": call.request_id, "replica": ticket.name})
             backoff = self.cfg.retry_backoff_s * (2 ** (call.attempts - 1)) * random.uniform(0.5, 1.5)
             if backoff:
                 await asyncio.sleep(backoff)
@@ -195,12 +218,13 @@ class Forwarder:
         replica = ticket.replica
         assert replica.upstream is not None
         headers = b"%sx-request-id: %s\r\n%s" % (call.headers, call.request_id.encode("latin-1"), replica.header_lines)
+        body = call.body if call.continued is None else call.continued
         wait = self.cfg.stream_idle_timeout_s if call.stream else self.cfg.request_timeout_s
         # a stream's headers come as soon as vLLM accepts the request; a JSON answer's with the whole answer
         headers_wait = min(wait, self.cfg.stream_headers_timeout_s) if call.stream else wait
         call.sent_at = time.perf_counter()
         try:
-            upstream = await replica.upstream.request(b"POST", call.path, headers, call.body, headers_wait)
+            upstream = await replica.upstream.request(b"POST", call.path, headers, body, headers_wait)
         except UpstreamError as e:
             return _Failure(ticket.name, e.kind)
         try:
@@ -221,6 +245,12 @@ class Forwarder:
         """Pass the answer on. A JSON answer is read whole first (up to ``_BUFFERED``): one cut short is then
         a failure another replica may answer, not a broken response. A stream goes on chunk by chunk."""
         sse = (upstream.header(b"content-type") or b"").startswith(b"text/event-stream")
+        if call.splice is not None:
+            if not sse or upstream.status != 200:
+                log.warning("%s answered %d to the continuation of a stream", ticket.name, upstream.status,
+                            extra={"request_id": call.request_id, "replica": ticket.name})
+                return _Failure(ticket.name, "continuation_refused")
+            return await self._relay_stream(call, ticket, upstream, send, wait)
         held: list[bytes] = []
         if not sse:
             size = 0
@@ -249,31 +279,62 @@ class Forwarder:
         call.status = upstream.status
         await send({"type": "http.response.start", "status": upstream.status,
                     "headers": _response_headers(call, ticket, upstream.headers)})
-        call.sse_open = sse
+        if not sse:
+            call.resume = None
+            try:
+                for chunk in held:  # a JSON answer larger than the buffer: the rest follows as it comes
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                while (chunk := await upstream.next_chunk(wait)) is not None:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except UpstreamError as e:
+                self._broke(call, ticket, e)
+                raise _Cut() from None
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return None
+        call.sse_open = True
+        if upstream.status != 200:
+            call.resume = None
+        return await self._relay_stream(call, ticket, upstream, send, wait)
+
+    async def _relay_stream(self, call: Call, ticket: Ticket, upstream: UpstreamResponse, send: Any,
+                            wait: float) -> _Failure | None:
+        """Relay an SSE stream chunk by chunk: the first part of the answer, or a continuation of it."""
+        splice = call.splice
+        resume = call.resume
+        first = True
         try:
-            for chunk in held:  # a JSON answer larger than the buffer: the rest follows as it comes
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
             while True:
                 chunk = await upstream.next_chunk(wait)
                 if chunk is None:
                     break
-                if call.ttfb is None:  # checked here: this loop runs for every chunk of every stream
+                if first:  # checked here: this loop runs for every chunk of every stream
+                    first = False
                     self._first_byte(call, ticket, upstream.status)
+                if splice is not None:
+                    chunk = splice.feed(chunk)
+                    if not chunk:
+                        continue
+                elif resume is not None:
+                    resume.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 call.tail = chunk[-2:]
                 self._learn(call, ticket, chunk)
-        except UpstreamError as e:
-            idle = isinstance(e, ReadTimeout)
-            kind = KINDS["stream_idle_timeout" if idle else "stream_broken"]
-            call.outcome = "stream_idle_timeout" if idle else "upstream_broke"
-            call.broken = kind.label
-            self.metrics.upstream_errors.labels(ticket.name, kind.label).inc()
-            if not idle:
-                log.warning("stream from %s broke: %s", ticket.name, e,
-                            extra={"request_id": call.request_id, "replica": ticket.name})
-            if not sse:
-                raise _Cut() from None
-            message = f"the replica sent nothing for {wait:g} s" if idle else kind.message
+        except (UpstreamError, SpliceError) as e:
+            kind = self._broke(call, ticket, e)
+            if resume is not None and resume.resumable():
+                if resume.finished:  # all content was sent: only the end is missing
+                    call.sse_open = False
+                    call.outcome = "ok"
+                    self.metrics.stream_failovers.labels("completed").inc()
+                    await send({"type": "http.response.body", "more_body": False,
+                                "body": resume.closing(call.route.prompt_tokens)})
+                    return None
+                return _Failure(ticket.name, kind.label, resume=True)
+            if splice is None:
+                self.metrics.stream_failovers.labels("not_resumable").inc()
+            else:
+                self.metrics.stream_failovers.labels("failed").inc()
+            message = f"the replica sent nothing for {wait:g} s" if kind.label == "stream_idle_timeout" else kind.message
             call.sse_open = False
             await send({"type": "http.response.body", "more_body": False,
                         "body": _sse_error(call.tail, message, kind.type, kind.code)})
@@ -282,10 +343,34 @@ class Forwarder:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return None
 
+    def _broke(self, call: Call, ticket: Ticket, e: Exception) -> FailureKind:
+        """An answer broke after it started: counted, logged, and named."""
+        idle = isinstance(e, ReadTimeout)
+        kind = KINDS["stream_idle_timeout" if idle else "stream_broken"]
+        call.outcome = "stream_idle_timeout" if idle else "upstream_broke"
+        call.broken = kind.label
+        self.metrics.upstream_errors.labels(ticket.name, kind.label).inc()
+        if not idle:
+            log.warning("stream from %s broke: %s", ticket.name, e,
+                        extra={"request_id": call.request_id, "replica": ticket.name})
+        return kind
+
+    async def _end_stream(self, call: Call, send: Any, kind_label: str) -> None:
+        """No replica could continue a broken stream: it ends with an SSE error event, as before failover."""
+        kind = KINDS[kind_label]
+        self.metrics.stream_failovers.labels("failed").inc()
+        call.sse_open = False
+        call.outcome = "upstream_broke"
+        call.broken = kind.label
+        await send({"type": "http.response.body", "more_body": False,
+                    "body": _sse_error(call.tail, kind.message, kind.type, kind.code)})
+
     @staticmethod
     def _first_byte(call: Call, ticket: Ticket, status: int) -> None:
-        """The answer's first byte came: routing hears it, and the time to first byte is taken."""
+        """The attempt's first byte came: routing hears it, and (for the answer's first) the time is taken."""
         ticket.first_byte(status)
+        if call.ttfb is not None:  # a continuation: the client had its first byte long ago
+            return
         now = time.perf_counter()
         call.upstream_ttfb = now - call.sent_at
         call.ttfb = now - call.started

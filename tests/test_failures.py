@@ -15,13 +15,13 @@ def complete(url: str, **extra) -> httpx.Response:
                       timeout=10)
 
 
-def test_killing_a_replica_under_load(cluster):
+def kill_under_load(cluster, *router_args: str):
+    """12 clients stream 20-token chats through three replicas; one replica is killed mid-run and restarted."""
     sims = [cluster.sim("--ttft-ms", "5", "--itl-ms", "30") for _ in range(3)]
     victim = sims[0]
-    rt = cluster.router(sims)
-    results: list[tuple[str, float, str, list[str]]] = []  # (phase, sent_at, replica, events)
+    rt = cluster.router(sims, *router_args)
+    results: list[tuple[float, str, list[str]]] = []  # (sent_at, replica, events)
     lock = threading.Lock()
-    killed_at: list[float] = []
     stop = threading.Event()
 
     def client():
@@ -43,32 +43,52 @@ def test_killing_a_replica_under_load(cluster):
     time.sleep(0.5)
     wait_until(lambda: replicas_view(rt)[victim.url]["inflight"] >= 2, timeout=3)
     victim.kill()
-    killed_at.append(time.monotonic())
+    killed_at = time.monotonic()
     took = wait_until(lambda: not replicas_view(rt)[victim.url]["ready"], timeout=2.0)
     time.sleep(1.0)
     stop.set()
     for t in threads:
         t.join(15)
-
-    victim_name = "127.0.0.1:%d" % victim.port
-    ok = lambda ev: ev and ev[-1] == "[DONE]" and not any('"error"' in e for e in ev)
-    # every request sent after the kill succeeded (on the other replicas)
-    after = [(rep, ev) for sent, rep, ev in results if sent > killed_at[0]]
-    assert after and all(ok(ev) and rep != victim_name for rep, ev in after), after[:3]
-    # streams that were running on the victim ended with an SSE error event, the rest completed
-    broken = [ev for sent, rep, ev in results if not ok(ev)]
-    assert broken, ("some streams must have been in flight on the killed replica",
-                    [(round(s - killed_at[0], 3), rep, len(ev)) for s, rep, ev in results])
-    for ev in broken:
-        assert json.loads(ev[-2])["error"]["code"] == "upstream_disconnected" and ev[-1] == "[DONE]"
     assert took < 2.0
-
+    victim_name = "127.0.0.1:%d" % victim.port
+    # every request sent after the kill went to the other replicas
+    assert all(rep != victim_name for sent, rep, ev in results if sent > killed_at)
     # the replica comes back on the same port and is used again
     victim.start()
     victim.wait_http()
     wait_until(lambda: replicas_view(rt)[victim.url]["ready"], timeout=5.0)
     seen = {complete(rt.url).headers["x-kvroute-replica"] for _ in range(30)}
     assert victim_name in seen
+    return rt, victim_name, results
+
+
+def completed(events: list[str]) -> bool:
+    return bool(events) and events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+
+
+def content_chunks(events: list[str]) -> int:
+    return sum(1 for e in events[:-1] if json.loads(e)["choices"] and json.loads(e)["choices"][0]["delta"].get("content"))
+
+
+def test_streams_on_a_killed_replica_continue_on_another_with_every_token(cluster):
+    rt, victim, results = kill_under_load(cluster)
+    assert results and all(completed(ev) for _, _, ev in results), [ev[-2:] for _, _, ev in results if not completed(ev)]
+    assert all(content_chunks(ev) == 20 for _, _, ev in results)
+    on_victim = [ev for _, rep, ev in results if rep == victim]
+    ids = [{json.loads(e)["id"] for e in ev[:-1]} for ev in on_victim]
+    assert all(len(i) == 1 for i in ids)  # one id through both parts
+    metrics = httpx.get(rt.url + "/metrics").text
+    resumed = [line for line in metrics.splitlines() if line.startswith('kvroute_stream_failovers_total{outcome="completed"}')]
+    assert resumed and float(resumed[0].split()[-1]) >= 1, "some streams must have been in flight on the killed replica"
+
+
+def test_without_stream_failover_streams_on_a_killed_replica_end_with_an_error_event(cluster):
+    rt, victim, results = kill_under_load(cluster, "--set", "proxy.stream_failover=false")
+    broken = [ev for _, rep, ev in results if not completed(ev)]
+    assert broken, "some streams must have been in flight on the killed replica"
+    for ev in broken:
+        assert json.loads(ev[-2])["error"]["code"] == "upstream_disconnected" and ev[-1] == "[DONE]"
+    assert 'kvroute_stream_failovers_total{outcome="not_resumable"}' in httpx.get(rt.url + "/metrics").text
 
 
 def test_connection_refused_is_retried_on_another_replica(cluster):
@@ -199,9 +219,8 @@ def test_a_replica_that_breaks_every_stream_is_taken_out_of_rotation_and_back_af
     broken = 0
     for i in range(40):
         name, events = _stream(rt, i)
-        if name == bad_name:
-            broken += 1
-            assert "error" in events[-2]
+        assert completed(events) and content_chunks(events) == 8  # continued on the good replica
+        broken += name == bad_name
     assert broken == 5  # health.eject_after: then it got nothing
     view = replicas_view(rt)[bad.url]
     assert view["state"] == "unready" and "ejected" in view["last_error"]

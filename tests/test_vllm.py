@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from conftest import Cluster
-from helpers import replicas_view, run_with_bypass, sse_events, wait_until
+from helpers import replicas_view, run_with_bypass, wait_until
 from loadtest import vllm_cluster
 from loadtest.cluster import Proc
 
@@ -210,38 +210,41 @@ def test_precise_index_predicts_vllms_cached_tokens_exactly_while_a_client_bypas
         c.stop_all()
 
 
-def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(gateway, replicas):
+def test_streams_on_a_killed_replica_complete_on_the_other_with_every_token(gateway, replicas):
+    """Two replicas, 16 clients streaming through the openai client; one replica is killed. Every stream,
+    started or not, completes without an error and with the requested number of tokens."""
     victim = replicas[0]
-    results: list[tuple[float, bool, bool, str]] = []  # (sent_at, started_streaming, complete, replica)
+    results: list[tuple[float, str, int, int, str | None]] = []  # (sent_at, replica, content chunks, tokens, error)
     lock = threading.Lock()
     stop = threading.Event()
+    api = client(gateway)
 
     def loop(i: int) -> None:
         n = 0
         while not stop.is_set():
             n += 1
-            sent, started, complete, replica = time.monotonic(), False, False, ""
-            body = {"model": "tiny", "messages": [{"role": "user", "content": f"client {i} request {n}"}],
-                    "max_tokens": 48, "ignore_eos": True, "stream": True}
+            sent, replica, chunks, tokens, error = time.monotonic(), "", 0, 0, None
             try:
-                with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=60) as r:
-                    replica = r.headers.get("x-kvroute-replica", "")
-                    events = []
-                    for chunk in r.iter_bytes():
-                        started = started or b"data: {" in chunk
-                        events.append(chunk)
-                    ev = sse_events(b"".join(events))
-                    complete = r.status_code == 200 and ev[-1:] == ["[DONE]"] and not any('"error"' in e for e in ev)
-            except httpx.HTTPError:
-                pass
+                raw = api.chat.completions.with_raw_response.create(
+                    model="tiny", messages=[{"role": "user", "content": f"client {i} request {n}"}], max_tokens=48,
+                    stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                replica = raw.headers.get("x-kvroute-replica", "")
+                for chunk in raw.parse():
+                    if chunk.choices and chunk.choices[0].delta.content is not None and not chunk.choices[0].delta.role:
+                        chunks += 1
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+            except Exception as e:  # the openai client raises on an SSE error event
+                error = repr(e)
             with lock:
-                results.append((sent, started, complete, replica))
+                results.append((sent, replica, chunks, tokens, error))
 
-    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(6)]
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(16)]
     for t in threads:
         t.start()
     try:
-        wait_until(lambda: replicas_view(gateway)[victim.url]["inflight"] >= 1, timeout=30)
+        wait_until(lambda: len(results) >= 32, timeout=120)  # steady: streams in every phase on both replicas
+        wait_until(lambda: replicas_view(gateway)[victim.url]["inflight"] >= 4, timeout=60)
         victim.kill()
         killed = time.monotonic()
         wait_until(lambda: not replicas_view(gateway)[victim.url]["ready"], timeout=10)
@@ -249,11 +252,18 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(gatew
     finally:  # the clients stop whatever happened
         stop.set()
         for t in threads:
-            t.join(60)
-    lost = [(round(s - killed, 2), rep) for s, started, complete, rep in results if not complete and not started]
-    assert not lost, f"requests that had not started streaming failed: {lost}"
+            t.join(120)
+    victim_name = f"127.0.0.1:{victim.port}"
+    failed = [(round(s - killed, 2), rep, err) for s, rep, _, _, err in results if err is not None]
+    assert not failed, f"streams that failed: {failed}"
+    short = [(rep, tokens) for _, rep, _, tokens, _ in results if tokens != 48]
+    assert not short, f"streams without 48 tokens in all: {short}"
+    continued = [r for r in results if r[1] == victim_name and r[0] < killed]
+    assert continued, "some streams must have been running on the killed replica"
+    metrics = httpx.get(gateway.url + "/metrics").text
+    print(f"{len(results)} streams, all with 48 tokens, {len(continued)} of them sent to the killed replica before "
+          "it died; " + " ".join(line for line in metrics.splitlines() if line.startswith("kvroute_stream_failovers")))
+    assert 'kvroute_stream_failovers_total{outcome="completed"}' in metrics
+    assert 'kvroute_stream_failovers_total{outcome="failed"}' not in metrics
     after = [r for r in results if r[0] > killed + 0.5]
-    assert after and all(c and rep != f"127.0.0.1:{victim.port}" for _, _, c, rep in after)
-    broken = [r for r in results if not r[2]]
-    # the only failures allowed are streams already running on the victim (they end with an SSE error)
-    assert all(started for _, started, _, _ in broken)
+    assert after and all(rep != victim_name for _, rep, _, _, _ in after)
