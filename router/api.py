@@ -96,7 +96,7 @@ class Gateway:
                              build_sessions(config.index, config.sessions, self.metrics, share, self.load),
                              self.metrics, self.events,
                              index=index, keys=keys)
-        self.forwarder = Forwarder(self.router, self.pool, config.proxy, self.metrics)
+        self.forwarder = Forwarder(self.router, self.pool, config.proxy, self.metrics, config.client.send_timeout_s)
         self.membership = Membership(config, self.pool)
         self.auth = Auth(config.auth)
         self.started = time.time()

@@ -272,6 +272,8 @@ class ClientConfig(_Model):
     max_header_bytes: int = Field(64 * 1024, ge=1024, description="request line and headers together; larger: 431 "
                                   "and the connection is closed")
     body_timeout_s: float = Field(30.0, gt=0, description="longest pause while a request body arrives; then 408")
+    send_timeout_s: float = Field(60.0, gt=0, description="a client that takes none of its answer's bytes for this "
+                                  "long (it stopped reading) is disconnected, and the replica's request aborted")
     max_connections: int | None = Field(None, ge=1, description="client connections open at once; one more is "
                                         "closed at once. Default: 80% of the process's file-descriptor limit")
 

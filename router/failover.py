@@ -95,18 +95,30 @@ class Transcript:
     def resumable(self) -> bool:
         return self.unusable is None
 
-    def feed(self, chunk: bytes) -> None:
-        """Read a copy of the bytes the client was sent."""
+    def feed(self, chunk: bytes) -> bytes:
+        """Read the stream's next bytes; returns those the client may have now: whole events only, so that a
+        stream broken mid-event leaves no half event before the continuation (vLLM writes whole events, so
+        this holds nothing back in practice)."""
         if self.unusable is not None:
-            return
+            return self.flush() + chunk
         data = self._pending + chunk if self._pending else chunk
         start = 0
         while (end := data.find(b"\n\n", start)) >= 0:
             self._event(data[start:end])
             start = end + 2
+        if start == len(data):
+            self._pending = b""
+            return data
         self._pending = data[start:]
         if len(self._pending) > _MAX_EVENT:
             self.unusable, self._pending = "oversized_event", b""
+            return data
+        return data[:start]
+
+    def flush(self) -> bytes:
+        """Bytes held back from the client (the end of a stream that was not a whole event)."""
+        held, self._pending = self._pending, b""
+        return held
 
     def _event(self, raw: bytes) -> None:
         for line in raw.split(b"\n"):

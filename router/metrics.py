@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 # Buckets for time to first byte and end-to-end latency: from a cached-prefix hit (ms) to long
 # generations (minutes).
@@ -44,6 +45,13 @@ class Metrics:
             ["reason"], registry=r)
         self.upstream_errors = Counter(
             "kvroute_upstream_errors", "Failures talking to a replica, by kind.", ["replica", "kind"], registry=r)
+        # process_resident_memory_bytes, process_open_fds, ...: what a soak or a leak shows first
+        ProcessCollector(registry=r)
+        self.tasks = Gauge("kvroute_event_loop_tasks", "asyncio tasks alive in the process that answers the "
+                           "scrape (one per request in flight, plus a few per replica).", registry=r,
+                           multiprocess_mode="livesum")
+        if not self._multiprocess_dir:
+            self.tasks.set_function(_tasks_alive)
         self.stream_failovers = Counter(
             "kvroute_stream_failovers", "Streams a replica broke after they started, by what followed: completed "
             "(another replica generated the rest), failed (no replica could), not_resumable (the request does not "
@@ -96,7 +104,7 @@ class Metrics:
             "kvroute_index_errors", "Failed or too slow calls to the shared (Redis) index.", ["op"], registry=r)
         self.client_refused = Counter(
             "kvroute_client_refused", "Client connections or requests refused before they were read: header_timeout, "
-            "header_too_large, too_many_connections, body_timeout.", ["reason"], registry=r)
+            "header_too_large, too_many_connections, body_timeout, send_timeout (took no bytes of its answer).", ["reason"], registry=r)
         self.index_fallback = Gauge(
             "kvroute_index_fallback", "1 while lookups are answered by the local index because Redis failed or was "
             "too slow (until a lookup reaches Redis again).", registry=r, multiprocess_mode="livemax")
@@ -156,7 +164,17 @@ class Metrics:
         if self._multiprocess_dir:
             from prometheus_client import multiprocess
 
+            self.tasks.set(_tasks_alive())  # this worker's count (the others' as they last answered)
+
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry, self._multiprocess_dir)
+            ProcessCollector(registry=registry)  # the worker that answers
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+def _tasks_alive() -> float:
+    try:
+        return float(len(asyncio.all_tasks()))
+    except RuntimeError:  # scraped outside the event loop (a test, a collector thread)
+        return 0.0

@@ -53,6 +53,10 @@ class _Cut(Exception):
     """A JSON answer larger than the buffer broke after part of it was sent: the connection is dropped."""
 
 
+class _ClientStalled(Exception):
+    """The client took none of its answer's bytes for ``client.send_timeout_s``: it is disconnected."""
+
+
 @dataclass
 class Call:
     """One client request on its way through the gateway."""
@@ -108,11 +112,13 @@ def client_headers(scope_headers: list[tuple[bytes, bytes]]) -> bytes:
 
 
 class Forwarder:
-    def __init__(self, router: Router, pool: ReplicaPool, cfg: ProxyConfig, metrics: Metrics) -> None:
+    def __init__(self, router: Router, pool: ReplicaPool, cfg: ProxyConfig, metrics: Metrics,
+                 send_timeout_s: float = 60.0) -> None:
         self.router = router
         self.pool = pool
         self.cfg = cfg
         self.metrics = metrics
+        self.send_timeout_s = send_timeout_s
 
     async def __call__(self, call: Call, receive: Any, send: Any) -> None:
         """Serve ``call`` on the ASGI connection; returns once the client has its whole answer or left."""
@@ -130,6 +136,16 @@ class Forwarder:
                     return
 
         watcher = asyncio.create_task(watch_disconnect())
+        client_send = send
+        limit = self.send_timeout_s
+
+        async def send(message: dict[str, Any]) -> None:  # noqa: F811 - every write has a limit
+            try:
+                async with asyncio.timeout(limit):
+                    await client_send(message)
+            except TimeoutError:
+                raise _ClientStalled() from None
+
         try:
             await self._serve(call, send)
         except GatewayError as e:
@@ -153,6 +169,12 @@ class Forwarder:
             call.status = call.status or 499
         except _Cut:
             pass  # returning unfinished makes the server drop the connection: the client sees a short answer
+        except _ClientStalled:
+            # returning unfinished drops the connection; the replica's request was closed on the way out
+            call.outcome = "client_stalled"
+            call.status = call.status or 499
+            self.metrics.client_refused.labels("send_timeout").inc()
+            log.info("client took no bytes for %g s: disconnected", limit, extra={"request_id": call.request_id})
         except Exception:
             log.exception("internal error while forwarding", extra={"request_id": call.request_id})
             call.outcome = "internal_error"
@@ -315,7 +337,9 @@ class Forwarder:
                     if not chunk:
                         continue
                 elif resume is not None:
-                    resume.feed(chunk)
+                    chunk = resume.feed(chunk)
+                    if not chunk:
+                        continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 call.tail = chunk[-2:]
                 self._learn(call, ticket, chunk)
@@ -340,7 +364,8 @@ class Forwarder:
                         "body": _sse_error(call.tail, message, kind.type, kind.code)})
             return None
         call.sse_open = False
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": resume.flush() if resume is not None else b"",
+                    "more_body": False})
         return None
 
     def _broke(self, call: Call, ticket: Ticket, e: Exception) -> FailureKind:

@@ -119,3 +119,102 @@ def refused(url: str) -> bool:
     except httpx.ConnectError:
         return True
     return False
+
+
+class Load:
+    """Clients on threads sending a steady mix of streaming and non-streaming chat and completions, each
+    request checked whole (status, ``[DONE]``, no error event, every token); for the fault tests.
+
+    ``outcomes`` holds one row per request: (sent, seconds, ok, started_streaming, detail)."""
+
+    def __init__(self, url: str, clients: int = 8, max_tokens: int = 12, seed: int = 0,
+                 headers: dict[str, str] | None = None, timeout: float = 30.0) -> None:
+        import threading
+        self.url = url
+        self.clients = clients
+        self.max_tokens = max_tokens
+        self.rng = random.Random(seed)
+        self.headers = headers or {}
+        self.timeout = timeout
+        self.outcomes: list[tuple[float, float, bool, bool, str]] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+        self._systems = [text(random.Random(seed + k), 60) for k in range(4)]
+
+    def __enter__(self) -> "Load":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.timeout + 5)
+
+    def _client(self, i: int) -> None:
+        rng = random.Random(i)
+        with httpx.Client(timeout=self.timeout, headers=self.headers) as client:
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                chat_api, stream = rng.random() < 0.5, rng.random() < 0.7
+                system = self._systems[rng.randrange(len(self._systems))]
+                body: dict = {"model": "tiny", "max_tokens": self.max_tokens, "stream": stream}
+                if chat_api:
+                    body["messages"] = [{"role": "system", "content": system},
+                                        {"role": "user", "content": f"client {i} question {n}"}]
+                else:
+                    body["prompt"] = f"{system} client {i} question {n}"
+                sent = time.monotonic()
+                ok, started, detail = self._one(client, "/v1/chat/completions" if chat_api else "/v1/completions",
+                                                body, stream, chat_api)
+                with self._lock:
+                    self.outcomes.append((sent, time.monotonic() - sent, ok, started, detail))
+
+    def _one(self, client: httpx.Client, path: str, body: dict, stream: bool, chat_api: bool) -> tuple[bool, bool, str]:
+        started = False
+        try:
+            if not stream:
+                r = client.post(self.url + path, json=body)
+                if r.status_code != 200:
+                    return False, False, f"status {r.status_code}"
+                return True, False, "ok"
+            raw = b""
+            with client.stream("POST", self.url + path, json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    return False, False, f"status {r.status_code}"
+                for chunk in r.iter_bytes():
+                    started = started or b"data: {" in chunk
+                    raw += chunk
+            events = sse_events(raw)
+            if not events or events[-1] != "[DONE]":
+                return False, started, "no [DONE]"
+            if any('"error"' in e for e in events):
+                return False, started, "error event"
+            chunks = [json.loads(e) for e in events[:-1]]
+            tokens = sum(1 for c in chunks if c["choices"] and (
+                "content" in c["choices"][0].get("delta", {}) and "role" not in c["choices"][0]["delta"]
+                if chat_api else True))
+            if tokens != self.max_tokens:
+                return False, started, f"{tokens} tokens"
+            return True, started, "ok"
+        except httpx.HTTPError as e:
+            return False, started, f"client error {type(e).__name__}"
+
+    def summary(self, since: float = 0.0, until: float = float("inf")) -> dict:
+        rows = [o for o in self.outcomes if since <= o[0] < until]
+        good = sorted(o[1] for o in rows if o[2])
+        failed = [o for o in rows if not o[2]]
+
+        def pct(q: float) -> float | None:
+            return round(good[min(len(good) - 1, int(q * len(good)))] * 1000, 1) if good else None
+
+        return {"requests": len(rows), "failed": len(failed),
+                "failed_before_streaming": sum(1 for o in failed if not o[3]),
+                "p50_ms": pct(0.5), "p99_ms": pct(0.99),
+                "failures": sorted({o[4] for o in failed})}

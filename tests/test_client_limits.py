@@ -123,3 +123,21 @@ def test_connections_past_the_limit_are_closed_at_once_and_logged(cluster):
     finally:
         for s in idle:
             s.close()
+
+
+def test_a_client_that_stops_reading_a_stream_is_disconnected_and_the_replica_aborts(cluster):
+    sim = cluster.sim("--ttft-ms", "1", "--itl-ms", "0", "--max-model-len", "200000")
+    rt = cluster.router([sim], "--set", "client.send_timeout_s=1")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", rt.port))
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 150000, "stream": true}'
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    try:  # never read: once the socket buffers are full (some MB), the router's writes stop, then it gives up
+        wait_until(lambda: refused(rt, "send_timeout") == 1, timeout=15, interval=0.2)
+        wait_until(lambda: httpx.get(sim.url + "/sim/state").json()["counters"]["aborted"] == 1, timeout=5)
+        ok = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=5)
+        assert ok.status_code == 200
+    finally:
+        s.close()

@@ -49,9 +49,16 @@ def test_the_transcript_is_the_same_however_the_stream_is_cut_into_reads(cuts):
     whole.feed(COMPLETIONS_SSE)
     pieces = Transcript(chat=False, include_usage=False)
     bounds = [0, *sorted(cuts), len(COMPLETIONS_SSE)]
-    for a, b in zip(bounds, bounds[1:]):
-        pieces.feed(COMPLETIONS_SSE[a:b])
+    passed = b"".join(pieces.feed(COMPLETIONS_SSE[a:b]) for a, b in zip(bounds, bounds[1:]))
     assert (pieces.tokens, pieces.text, pieces.id, pieces.finished) == (whole.tokens, whole.text, whole.id, True)
+    assert passed + pieces.flush() == COMPLETIONS_SSE  # every byte goes on, whole events at a time
+
+
+def test_a_half_event_is_held_until_it_is_whole():
+    t = Transcript(chat=False, include_usage=False)
+    first, second = COMPLETIONS_SSE.split(b"\n\n", 1)
+    assert t.feed(first[:40]) == b"" and t.feed(first[40:] + b"\n\n" + second[:10]) == first + b"\n\n"
+    assert t.tokens == 1
 
 
 def test_tool_calls_make_a_chat_stream_unusable():
