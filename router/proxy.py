@@ -216,6 +216,7 @@ class Forwarder:
             ticket.failed(failure.kind)
             if failure.resume:  # counted as an upstream error where the stream broke
                 assert call.resume is not None
+                call.resume.flush()  # half an event the broken stream left: never sent, and dropped now
                 call.continued = continuation(call.path, call.body, call.resume)
                 call.splice = Splice(call.resume)
                 call.broken = None  # the break is this replica's; the next one is judged by its own answer
@@ -266,7 +267,8 @@ class Forwarder:
                      wait: float) -> _Failure | None:
         """Pass the answer on. A JSON answer is read whole first (up to ``_BUFFERED``): one cut short is then
         a failure another replica may answer, not a broken response. A stream goes on chunk by chunk."""
-        sse = (upstream.header(b"content-type") or b"").startswith(b"text/event-stream")
+        # a stream only if one was asked for: an event stream answering a JSON request is read whole like JSON
+        sse = call.stream and (upstream.header(b"content-type") or b"").startswith(b"text/event-stream")
         if call.splice is not None:
             if not sse or upstream.status != 200:
                 log.warning("%s answered %d to the continuation of a stream", ticket.name, upstream.status,
@@ -299,8 +301,10 @@ class Forwarder:
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 return None
         call.status = upstream.status
-        await send({"type": "http.response.start", "status": upstream.status,
-                    "headers": _response_headers(call, ticket, upstream.headers)})
+        headers = _response_headers(call, ticket, upstream.headers)
+        if sse:  # a stream may end with an error event or go on on another replica: its length is not known
+            headers = [(k, v) for k, v in headers if k != b"content-length"]
+        await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
         if not sse:
             call.resume = None
             try:

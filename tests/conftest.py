@@ -74,3 +74,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     outcome = yield
     rep = outcome.get_result()
     setattr(item, "rep_" + rep.when, rep)
+
+
+# Figures the fault and soak suites report (printed at the end of the run, for the README).
+FIGURES: list[tuple[str, dict]] = []
+
+
+@pytest.fixture
+def figure(request: pytest.FixtureRequest):
+    def record(values: dict) -> None:
+        FIGURES.append((request.node.name, values))
+    return record
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    if FIGURES:
+        terminalreporter.section("figures")
+        for name, values in FIGURES:
+            terminalreporter.write_line(f"{name}: {values}")

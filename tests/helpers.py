@@ -140,7 +140,8 @@ class Load:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
-        self._systems = [text(random.Random(seed + k), 60) for k in range(4)]
+        # long enough for several KV blocks (byte mode: 128 tokens of 4 bytes), so routing looks prompts up
+        self._systems = [text(random.Random(seed + k), 400) for k in range(4)]
 
     def __enter__(self) -> "Load":
         for t in self._threads:
@@ -182,6 +183,8 @@ class Load:
                 r = client.post(self.url + path, json=body)
                 if r.status_code != 200:
                     return False, False, f"status {r.status_code}"
+                if not r.headers.get("content-type", "").startswith("application/json") or not r.json()["choices"]:
+                    return False, False, "not a JSON answer"
                 return True, False, "ok"
             raw = b""
             with client.stream("POST", self.url + path, json=body) as r:
@@ -205,6 +208,8 @@ class Load:
             return True, started, "ok"
         except httpx.HTTPError as e:
             return False, started, f"client error {type(e).__name__}"
+        except (ValueError, KeyError, TypeError):
+            return False, started, "invalid event"
 
     def summary(self, since: float = 0.0, until: float = float("inf")) -> dict:
         rows = [o for o in self.outcomes if since <= o[0] < until]

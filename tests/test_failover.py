@@ -7,12 +7,14 @@ requests are sent until one lands on the bad replica first (its name is in x-kvr
 from __future__ import annotations
 
 import json
+import sys
 
 import httpx
 import pytest
 
 from conftest import FAST
 from helpers import replicas_view, set_faults, sim_state, sse_events
+from loadtest.cluster import Proc, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -168,3 +170,17 @@ def test_the_replica_that_completes_a_continuation_is_judged_by_its_own_answer(p
     view = replicas_view(rt)
     assert view[good.url]["failed_requests_in_a_row"] == 0 and view[good.url]["state"] == "ready"
     assert view[bad.url]["failed_requests_in_a_row"] >= 1
+
+
+def test_half_an_event_from_the_broken_replica_never_reaches_the_client(cluster):
+    port = free_port()
+    bad = Proc("bad", [sys.executable, "-m", "loadtest.bad_replica", "--port", str(port), "--mode",
+                       "truncated_chunked"], port, log_path=cluster.log_dir / "bad.log")
+    cluster.procs.append(bad.start())
+    bad.wait_http("/health")
+    good = cluster.sim(*FAST)
+    rt = cluster.router([], config={"replicas": [{"url": bad.url}, {"url": good.url}], "health": {"eject_after": 100}})
+    events = on_bad(rt, bad, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                       "max_tokens": 3})
+    assert events[-1] == "[DONE]" and len(text_of(events)) == 3
+    assert all(isinstance(e, dict) and "error" not in e and e["id"] == events[0]["id"] for e in events[:-1])

@@ -1,0 +1,236 @@
+"""The fault and load suite: kvroute under steady concurrent load while something breaks.
+
+Stand-in replicas, one router, clients on threads (``helpers.Load``: streaming and non-streaming chat
+and completions, every answer checked whole, every stream for all its tokens), all on 127.0.0.1 and
+bounded in time. Each case reports its figures (printed at the end of the run).
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from helpers import Load, replicas_view, sim_state, wait_until
+from loadtest.bad_replica import MODES
+from loadtest.cluster import Proc, free_port, redis_server, wait_redis
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
+
+PACED = ("--ttft-ms", "5", "--itl-ms", "10")
+
+
+def metric(rt: Proc, line_start: str) -> float:
+    for line in httpx.get(rt.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(line_start):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def steady(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_replica_killed_at_a_random_moment_loses_no_request(cluster, figure):
+    sims = [cluster.sim(*PACED) for _ in range(3)]
+    rt = cluster.router(sims)
+    with Load(rt.url, clients=16, max_tokens=16) as load:
+        steady(1.0)
+        killed = time.monotonic() + random.Random(1).uniform(0.2, 1.5)
+        steady(killed - time.monotonic())
+        sims[0].kill()
+        steady(3.0)
+    s = load.summary()
+    figure({**s, "continued": metric(rt, 'kvroute_stream_failovers_total{outcome="completed"}'),
+            "after_kill": load.summary(since=killed)})
+    assert s["requests"] > 100 and s["failed"] == 0, s
+    assert metric(rt, 'kvroute_stream_failovers_total{outcome="completed"}') >= 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_broken_replica_costs_no_request_and_is_taken_out(cluster, figure, mode):
+    good = [cluster.sim(*PACED) for _ in range(2)]
+    port = free_port()
+    bad = Proc(f"bad-{mode}", [sys.executable, "-m", "loadtest.bad_replica", "--port", str(port), "--mode", mode],
+               port, log_path=cluster.log_dir / f"bad-{port}.log")
+    cluster.procs.append(bad.start())
+    bad.wait_http("/health")
+    rt = cluster.router([*good, bad], config={"proxy": {"stream_headers_timeout_s": 1.5, "request_timeout_s": 3,
+                                                       "stream_idle_timeout_s": 2}})
+    with Load(rt.url, clients=8, max_tokens=8) as load:
+        wait_until(lambda: replicas_view(rt)[bad.url]["state"] != "ready", timeout=60, interval=0.2)
+        out_at = time.monotonic()
+        steady(1.0)
+    s = load.summary()
+    view = replicas_view(rt)
+    figure({**s, "taken_out_after_s": round(out_at - load.outcomes[0][0], 1), "bad_state": view[bad.url]["state"]})
+    # no request fails; an invalid stream that already started ends with a clean SSE error event
+    allowed = {"error event", "invalid event"} if mode == "invalid_sse" else set()
+    assert set(s["failures"]) <= allowed, s
+    assert s["failed_before_streaming"] == 0
+    wait_until(lambda: all(r["inflight"] == 0 for r in replicas_view(rt).values()), timeout=10)
+    wait_until(lambda: metric(rt, "kvroute_event_loop_tasks") < 30, timeout=10)  # nothing stuck
+
+
+def test_redis_killed_and_restarted_under_load_fails_no_request(cluster, figure, tmp_path):
+    redis = redis_server(log_dir=tmp_path).start()
+    cluster.procs.append(redis)
+    wait_redis(redis)
+    sims = [cluster.sim(*PACED) for _ in range(2)]
+    rt = cluster.router(sims, "--index", f"redis://127.0.0.1:{redis.port}/0")
+    with Load(rt.url, clients=12, max_tokens=8) as load:
+        steady(1.0)
+        redis.kill()
+        down = time.monotonic()
+        steady(2.0)
+        redis.start()
+        wait_redis(redis)
+        steady(2.0)
+    s = load.summary()
+    figure({**s, "while_down": load.summary(since=down, until=down + 2),
+            "fallback_lookups": metric(rt, "kvroute_index_fallback_lookups_total")})
+    assert s["failed"] == 0 and metric(rt, "kvroute_index_fallback_lookups_total") > 0, s
+
+
+def test_redis_slowed_by_100_ms_under_load_fails_no_request(cluster, figure, tmp_path):
+    redis = redis_server(log_dir=tmp_path).start()
+    cluster.procs.append(redis)
+    wait_redis(redis)
+    port = free_port()
+    proxy = Proc("slow-redis", [sys.executable, "-m", "loadtest.slow_proxy", "--port", str(port), "--to",
+                                f"127.0.0.1:{redis.port}", "--delay-ms", "100"], port)
+    cluster.procs.append(proxy.start())
+    wait_until(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, timeout=10, interval=0.1)
+    sims = [cluster.sim(*PACED) for _ in range(2)]
+    rt = cluster.router(sims, "--index", f"redis://127.0.0.1:{port}/0")
+    with Load(rt.url, clients=12, max_tokens=8) as load:
+        steady(4.0)
+    s = load.summary()
+    figure(s)
+    assert s["requests"] > 50 and s["failed"] == 0, s
+
+
+def test_hostile_clients_leave_other_clients_served(cluster, figure):
+    """2,000 idle connections, 100 sending headers one byte a second and 20 that stop reading long streams,
+    beside 6 ordinary clients."""
+    sim = cluster.sim("--ttft-ms", "5", "--itl-ms", "0", "--max-model-len", "200000")
+    rt = cluster.router([sim], config={"client": {"send_timeout_s": 2, "header_timeout_s": 3}})
+    rss = lambda: metric(rt, "process_resident_memory_bytes")  # noqa: E731
+    with Load(rt.url, clients=6, max_tokens=8) as load:
+        steady(1.5)
+        calm = load.summary()
+        rss_before = rss()
+        socks: list[socket.socket] = []
+        try:
+            for _ in range(2000):
+                socks.append(socket.create_connection(("127.0.0.1", rt.port)))
+            slow = [socket.create_connection(("127.0.0.1", rt.port)) for _ in range(100)]
+            socks += slow
+            body = b'{"model": "tiny", "prompt": "x", "max_tokens": 150000, "stream": true}'
+            for _ in range(20):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.connect(("127.0.0.1", rt.port))
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n%s" % (len(body), body))
+                socks.append(s)
+            hostile = time.monotonic()
+            for i in range(4):
+                for s in slow:
+                    try:
+                        s.send(b"POST /v1/completions HTTP/1.1\r\n"[i:i + 1])
+                    except OSError:
+                        pass
+                steady(1.0)
+            rss_during = rss()
+            wait_until(lambda: sim_state(sim)["aborted"] >= 20, timeout=30, interval=0.5)
+            steady(1.0)
+        finally:
+            for s in socks:
+                s.close()
+    during = load.summary(since=hostile)
+    figure({"calm": calm, "during": during, "rss_mb_before": round(rss_before / 2**20, 1),
+            "rss_mb_during": round(rss_during / 2**20, 1), "aborted_on_replica": sim_state(sim)["aborted"],
+            "refused": {r: metric(rt, f'kvroute_client_refused_total{{reason="{r}"}}')
+                        for r in ("header_timeout", "send_timeout")}})
+    assert during["requests"] > 20 and during["failed"] == 0, during
+    assert rss_during - rss_before < 100 * 2**20
+    assert metric(rt, 'kvroute_client_refused_total{reason="send_timeout"}') == 20
+    assert metric(rt, 'kvroute_client_refused_total{reason="header_timeout"}') >= 2000
+
+
+def test_a_burst_far_above_capacity_is_queued_or_refused_with_429_and_nothing_else_fails(cluster, figure):
+    sims = [cluster.sim("--ttft-ms", "50", "--itl-ms", "10") for _ in range(2)]
+    rt = cluster.router([], config={"replicas": [{"url": s.url, "max_num_seqs": 4} for s in sims],
+                                    "queue": {"max_size": 8, "timeout_s": 5}})
+    results: list[tuple[int, str]] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            r = httpx.post(rt.url + "/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": f"burst {i}", "max_tokens": 8})
+            code = r.json()["error"]["code"] if r.status_code != 200 else ""
+            with lock:
+                results.append((r.status_code, code))
+        except httpx.HTTPError as e:
+            with lock:
+                results.append((-1, repr(e)))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    by_status = {s: sum(1 for r in results if r[0] == s) for s in {r[0] for r in results}}
+    figure({"sent": 64, "capacity": 8, "queue": 8, "by_status": by_status,
+            "peak_in_flight_per_replica": [sim_state(s)["peak_in_flight"] for s in sims]})
+    assert set(by_status) <= {200, 429}
+    assert by_status.get(200, 0) >= 16  # capacity and queue
+    assert {code for status, code in results if status == 429} == {"router_queue_full"}
+    assert all(sim_state(s)["peak_in_flight"] <= 4 for s in sims)
+
+
+def test_sigterm_under_load_turns_ready_503_first_and_lets_streams_finish(cluster, figure):
+    sims = [cluster.sim(*PACED) for _ in range(2)]
+    rt = cluster.router(sims, "--set", "shutdown_grace_s=10")
+    ready: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                ready.append((time.monotonic(), httpx.get(rt.url + "/ready", timeout=1).status_code))
+            except httpx.HTTPError:
+                ready.append((time.monotonic(), -1))
+            time.sleep(0.1)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        with Load(rt.url, clients=8, max_tokens=40) as load:
+            steady(1.5)
+            rt.signal(signal.SIGTERM)
+            term = time.monotonic()
+            assert rt.popen is not None
+            rt.popen.wait(20)
+            exited = time.monotonic()
+    finally:
+        stop.set()
+        poller.join()
+    first_503 = min((t for t, s in ready if s == 503 and t > term), default=None)
+    first_refused = min((t for t, s in ready if s == -1 and t > term), default=None)
+    started_before = [o for o in load.outcomes if o[0] < term]
+    figure({"in_flight_at_sigterm_finished": sum(1 for o in started_before if o[2]),
+            "of": len(started_before), "ready_503_after_s": first_503 and round(first_503 - term, 2),
+            "refused_after_s": first_refused and round(first_refused - term, 2), "exited_after_s": round(exited - term, 2),
+            "exit_code": rt.popen.returncode})
+    assert rt.popen.returncode == 0
+    assert first_503 is not None and (first_refused is None or first_503 < first_refused)
+    assert all(o[2] for o in started_before), [o for o in started_before if not o[2]]
