@@ -223,3 +223,55 @@ class Load:
                 "failed_before_streaming": sum(1 for o in failed if not o[3]),
                 "p50_ms": pct(0.5), "p99_ms": pct(0.99),
                 "failures": sorted({o[4] for o in failed})}
+
+
+def openai_streams_through_a_kill(rt: Proc, victim: Proc, clients: int, max_tokens: int,
+                                  warm: int = 32) -> tuple[list[tuple[float, str, int, int, str | None]], float]:
+    """``clients`` threads stream chats through the ``openai`` client (usage included) while ``victim`` is
+    SIGKILLed once ``warm`` streams have finished and it holds at least 4; returns one row per stream,
+    (sent_at, first replica, content chunks, usage completion tokens, error or None), and the kill's time."""
+    import threading
+
+    import openai
+
+    results: list[tuple[float, str, int, int, str | None]] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+    api = openai.OpenAI(base_url=rt.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def loop(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            sent, replica, chunks, tokens, error = time.monotonic(), "", 0, 0, None
+            try:
+                raw = api.chat.completions.with_raw_response.create(
+                    model="tiny", messages=[{"role": "user", "content": f"client {i} request {n}"}],
+                    max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True})
+                replica = raw.headers.get("x-kvroute-replica", "")
+                for chunk in raw.parse():
+                    if chunk.choices and chunk.choices[0].delta.content is not None and not chunk.choices[0].delta.role:
+                        chunks += 1
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+            except Exception as e:  # the openai client raises on an SSE error event
+                error = repr(e)
+            with lock:
+                results.append((sent, replica, chunks, tokens, error))
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: len(results) >= warm, timeout=120)  # steady: streams in every phase on every replica
+        wait_until(lambda: replicas_view(rt)[victim.url]["inflight"] >= 4, timeout=60)
+        victim.kill()
+        killed = time.monotonic()
+        wait_until(lambda: not replicas_view(rt)[victim.url]["ready"], timeout=10)
+        time.sleep(3.0)
+    finally:  # the clients stop whatever happened
+        stop.set()
+        for t in threads:
+            t.join(120)
+    return results, killed

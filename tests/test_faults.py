@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from helpers import Load, replicas_view, sim_state, wait_until
+from helpers import Load, openai_streams_through_a_kill, replicas_view, sim_state, wait_until
 from loadtest.bad_replica import MODES
 from loadtest.cluster import Proc, free_port, redis_server, wait_redis
 
@@ -50,6 +50,18 @@ def test_a_replica_killed_at_a_random_moment_loses_no_request(cluster, figure):
     figure({**s, "continued": metric(rt, 'kvroute_stream_failovers_total{outcome="completed"}'),
             "after_kill": load.summary(since=killed)})
     assert s["requests"] > 100 and s["failed"] == 0, s
+    assert metric(rt, 'kvroute_stream_failovers_total{outcome="completed"}') >= 1
+
+
+def test_streams_on_a_killed_replica_complete_through_the_openai_client_with_every_token(cluster, figure):
+    sims = [cluster.sim(*PACED) for _ in range(2)]
+    rt = cluster.router(sims)
+    results, killed = openai_streams_through_a_kill(rt, sims[0], clients=16, max_tokens=32)
+    failed = [(round(s - killed, 2), rep, err) for s, rep, _, _, err in results if err is not None]
+    short = [(rep, chunks, tokens) for _, rep, chunks, tokens, _ in results if (chunks, tokens) != (32, 32)]
+    figure({"streams": len(results), "failed": len(failed), "short": len(short),
+            "continued": metric(rt, 'kvroute_stream_failovers_total{outcome="completed"}')})
+    assert not failed and not short, (failed, short)
     assert metric(rt, 'kvroute_stream_failovers_total{outcome="completed"}') >= 1
 
 

@@ -7,7 +7,6 @@ per replica. The tests in this module share the replicas; the one that kills a r
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -17,7 +16,7 @@ import openai
 import pytest
 
 from conftest import Cluster
-from helpers import replicas_view, run_with_bypass, wait_until
+from helpers import openai_streams_through_a_kill, replicas_view, run_with_bypass, wait_until
 from loadtest import vllm_cluster
 from loadtest.cluster import Proc
 
@@ -214,45 +213,7 @@ def test_streams_on_a_killed_replica_complete_on_the_other_with_every_token(gate
     """Two replicas, 16 clients streaming through the openai client; one replica is killed. Every stream,
     started or not, completes without an error and with the requested number of tokens."""
     victim = replicas[0]
-    results: list[tuple[float, str, int, int, str | None]] = []  # (sent_at, replica, content chunks, tokens, error)
-    lock = threading.Lock()
-    stop = threading.Event()
-    api = client(gateway)
-
-    def loop(i: int) -> None:
-        n = 0
-        while not stop.is_set():
-            n += 1
-            sent, replica, chunks, tokens, error = time.monotonic(), "", 0, 0, None
-            try:
-                raw = api.chat.completions.with_raw_response.create(
-                    model="tiny", messages=[{"role": "user", "content": f"client {i} request {n}"}], max_tokens=48,
-                    stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-                replica = raw.headers.get("x-kvroute-replica", "")
-                for chunk in raw.parse():
-                    if chunk.choices and chunk.choices[0].delta.content is not None and not chunk.choices[0].delta.role:
-                        chunks += 1
-                    if chunk.usage is not None:
-                        tokens = chunk.usage.completion_tokens
-            except Exception as e:  # the openai client raises on an SSE error event
-                error = repr(e)
-            with lock:
-                results.append((sent, replica, chunks, tokens, error))
-
-    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(16)]
-    for t in threads:
-        t.start()
-    try:
-        wait_until(lambda: len(results) >= 32, timeout=120)  # steady: streams in every phase on both replicas
-        wait_until(lambda: replicas_view(gateway)[victim.url]["inflight"] >= 4, timeout=60)
-        victim.kill()
-        killed = time.monotonic()
-        wait_until(lambda: not replicas_view(gateway)[victim.url]["ready"], timeout=10)
-        time.sleep(3.0)
-    finally:  # the clients stop whatever happened
-        stop.set()
-        for t in threads:
-            t.join(120)
+    results, killed = openai_streams_through_a_kill(gateway, victim, clients=16, max_tokens=48)
     victim_name = f"127.0.0.1:{victim.port}"
     failed = [(round(s - killed, 2), rep, err) for s, rep, _, _, err in results if err is not None]
     assert not failed, f"streams that failed: {failed}"
