@@ -172,15 +172,42 @@ def test_the_replica_that_completes_a_continuation_is_judged_by_its_own_answer(p
     assert view[bad.url]["failed_requests_in_a_row"] >= 1
 
 
-def test_half_an_event_from_the_broken_replica_never_reaches_the_client(cluster):
+def bad_and_good(cluster, mode: str):
     port = free_port()
-    bad = Proc("bad", [sys.executable, "-m", "loadtest.bad_replica", "--port", str(port), "--mode",
-                       "truncated_chunked"], port, log_path=cluster.log_dir / "bad.log")
+    bad = Proc("bad", [sys.executable, "-m", "loadtest.bad_replica", "--port", str(port), "--mode", mode], port,
+               log_path=cluster.log_dir / "bad.log")
     cluster.procs.append(bad.start())
     bad.wait_http("/health")
     good = cluster.sim(*FAST)
     rt = cluster.router([], config={"replicas": [{"url": bad.url}, {"url": good.url}], "health": {"eject_after": 100}})
+    return rt, bad, good
+
+
+def test_half_an_event_from_the_broken_replica_never_reaches_the_client(cluster):
+    rt, bad, good = bad_and_good(cluster, "truncated_chunked")
     events = on_bad(rt, bad, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                        "max_tokens": 3})
     assert events[-1] == "[DONE]" and len(text_of(events)) == 3
     assert all(isinstance(e, dict) and "error" not in e and e["id"] == events[0]["id"] for e in events[:-1])
+
+
+def test_an_event_stream_answering_a_json_request_is_read_whole_and_retried_when_it_breaks(cluster):
+    rt, bad, good = bad_and_good(cluster, "truncated_chunked")
+    for _ in range(6):  # whichever replica each lands on first
+        r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.content[:200]
+        assert r.json()["choices"][0]["text"]
+
+
+def test_a_stream_does_not_pass_on_the_replicas_content_length(cluster):
+    # the replica declares 100 bytes and sends 26 of an invalid event: the client gets them, then an error
+    # event, with no length that those would contradict
+    rt, bad, good = bad_and_good(cluster, "invalid_sse")
+    for _ in range(10):
+        r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2,
+                                                         "stream": True}, timeout=10)
+        assert "content-length" not in r.headers
+        if r.headers["x-kvroute-replica"] == f"127.0.0.1:{bad.port}":
+            assert sse_events(r.content)[-1] == "[DONE]" and '"error"' in sse_events(r.content)[-2]
+            return
+    raise AssertionError("no request went to the bad replica first")
