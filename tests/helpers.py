@@ -228,13 +228,14 @@ class Load:
 def openai_streams_through_a_kill(rt: Proc, victim: Proc, clients: int, max_tokens: int,
                                   warm: int = 32) -> tuple[list[tuple[float, str, int, int, str | None]], float]:
     """``clients`` threads stream chats through the ``openai`` client (usage included) while ``victim`` is
-    SIGKILLed once ``warm`` streams have finished and it holds at least 4; returns one row per stream,
+    SIGKILLed once ``warm`` streams have finished and 3 are receiving tokens from it; returns one row per stream,
     (sent_at, first replica, content chunks, usage completion tokens, error or None), and the kill's time."""
     import threading
 
     import openai
 
     results: list[tuple[float, str, int, int, str | None]] = []
+    streaming: dict[int, str] = {}  # client -> the replica its stream is coming from, once content came
     lock = threading.Lock()
     stop = threading.Event()
     api = openai.OpenAI(base_url=rt.url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -253,11 +254,13 @@ def openai_streams_through_a_kill(rt: Proc, victim: Proc, clients: int, max_toke
                 for chunk in raw.parse():
                     if chunk.choices and chunk.choices[0].delta.content is not None and not chunk.choices[0].delta.role:
                         chunks += 1
+                        streaming[i] = replica
                     if chunk.usage is not None:
                         tokens = chunk.usage.completion_tokens
             except Exception as e:  # the openai client raises on an SSE error event
                 error = repr(e)
             with lock:
+                streaming.pop(i, None)
                 results.append((sent, replica, chunks, tokens, error))
 
     threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(clients)]
@@ -265,7 +268,9 @@ def openai_streams_through_a_kill(rt: Proc, victim: Proc, clients: int, max_toke
         t.start()
     try:
         wait_until(lambda: len(results) >= warm, timeout=120)  # steady: streams in every phase on every replica
-        wait_until(lambda: replicas_view(rt)[victim.url]["inflight"] >= 4, timeout=60)
+        # killed while at least 3 streams are receiving tokens from it (not only waiting for their first)
+        name = f"127.0.0.1:{victim.port}"
+        wait_until(lambda: sum(1 for r in list(streaming.values()) if r == name) >= 3, timeout=60, interval=0.005)
         victim.kill()
         killed = time.monotonic()
         wait_until(lambda: not replicas_view(rt)[victim.url]["ready"], timeout=10)

@@ -102,7 +102,8 @@ def scraped(cluster, redis_proc, tmp_path):
     rt = cluster.router([], config=config)
     prom_cfg = tmp_path / "prometheus.yml"
     prom_cfg.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "500ms", "evaluation_interval": "500ms"},
+        # 1 s, so that a scrape of a busy stand-in has a whole second before it times out
+        "global": {"scrape_interval": "1s", "evaluation_interval": "500ms"},
         "rule_files": [str(PROM_DIR / "alerts.yml")],
         "scrape_configs": [
             {"job_name": "kvroute", "static_configs": [{"targets": [f"127.0.0.1:{rt.port}"]}]},
@@ -146,15 +147,19 @@ def test_every_dashboard_panel_query_returns_data(scraped):
 
     empty: list[tuple[str, str]] = []
     queries = panel_queries()
+    client = httpx.Client()
 
     def all_have_data() -> bool:
+        send(client, rt.url, system[0] + text(rng, 10))  # traffic goes on: rates over the last minute stay up
         empty[:] = [(title, expr) for title, expr in queries if not has_data(prom, expr)]
         return not empty
 
     try:
-        wait_until(all_have_data, timeout=20, interval=0.5)
+        wait_until(all_have_data, timeout=40, interval=0.5)
     except AssertionError:
         pass
+    finally:
+        client.close()
     assert not empty, "panels without data:\n" + "\n".join(f"  {t}: {e}" for t, e in empty)
     assert len(queries) >= 19
 
