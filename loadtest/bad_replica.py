@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
+
+from .cluster import serve_until_stopped
 
 MODES = ("garbage", "truncated_chunked", "invalid_sse", "slow", "no_read")
 
@@ -77,14 +78,7 @@ class BadReplica:
 
 
 async def main(args: argparse.Namespace) -> None:
-    replica = BadReplica(args.mode, args.model)
-    server = await asyncio.start_server(replica.serve, args.host, args.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    async with server:
-        await stop.wait()
+    await serve_until_stopped(BadReplica(args.mode, args.model).serve, args.host, args.port)
 
 
 def parser() -> argparse.ArgumentParser:

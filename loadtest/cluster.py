@@ -5,6 +5,7 @@ Used by the tests, the benchmarks and the local demo.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -188,3 +190,14 @@ def prometheus_server(config: Path, data_dir: Path, port: int | None = None, log
             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]
     return Proc(f"prometheus-{port}", argv, port,
                 log_path=(log_dir / f"prometheus-{port}.log") if log_dir else None)
+
+
+async def serve_until_stopped(handler: Any, host: str, port: int) -> None:
+    """Run an asyncio TCP server with ``handler`` until SIGTERM or SIGINT (the fault tests' small servers)."""
+    server = await asyncio.start_server(handler, host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with server:
+        await stop.wait()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
+
+from .cluster import serve_until_stopped
 
 
 async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
@@ -37,13 +38,7 @@ async def main(args: argparse.Namespace) -> None:
             return
         await asyncio.gather(pipe(client_r, up_w, delay), pipe(up_r, client_w, delay))
 
-    server = await asyncio.start_server(handle, "127.0.0.1", args.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    async with server:
-        await stop.wait()
+    await serve_until_stopped(handle, "127.0.0.1", args.port)
 
 
 def parser() -> argparse.ArgumentParser:
