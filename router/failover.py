@@ -68,11 +68,40 @@ def transcript_for(path: str, payload: dict[str, Any]) -> "Transcript | None":
     return Transcript(path == _CHAT, include_usage)
 
 
+class Events:
+    """Splits a stream of server-sent events into whole events, holding back the start of the next one."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def split(self, chunk: bytes) -> tuple[bytes, list[bytes]]:
+        """The bytes of the events ``chunk`` completes, and each of those events without its blank line."""
+        data = self._pending + chunk if self._pending else chunk
+        events: list[bytes] = []
+        start = 0
+        while (end := data.find(b"\n\n", start)) >= 0:
+            events.append(data[start:end])
+            start = end + 2
+        self._pending = data[start:]
+        return data[:start], events
+
+    def oversized(self) -> bool:
+        """The event held back is longer than any stream of vLLM's would send."""
+        return len(self._pending) > _MAX_EVENT
+
+    def take(self) -> bytes:
+        """The bytes held back, which are no longer held."""
+        held, self._pending = self._pending, b""
+        return held
+
+
 class Transcript:
     """What one stream has carried so far (reads copies of its bytes; sends nothing)."""
 
     __slots__ = ("chat", "include_usage", "parts", "tokens", "id", "created", "model", "finished", "usage_sent",
-                 "role_sent", "unusable", "_pending")
+                 "role_sent", "unusable", "_events")
 
     def __init__(self, chat: bool, include_usage: bool) -> None:
         self.chat = chat
@@ -86,7 +115,7 @@ class Transcript:
         self.usage_sent = False  # the final usage chunk has been sent
         self.role_sent = False  # a chat stream's first chunk, with the assistant's role, has been sent
         self.unusable: str | None = None  # why the stream can no longer be continued
-        self._pending = b""
+        self._events = Events()
 
     @property
     def text(self) -> str:
@@ -100,25 +129,18 @@ class Transcript:
         stream broken mid-event leaves no half event before the continuation (vLLM writes whole events, so
         this holds nothing back in practice)."""
         if self.unusable is not None:
-            return self.flush() + chunk
-        data = self._pending + chunk if self._pending else chunk
-        start = 0
-        while (end := data.find(b"\n\n", start)) >= 0:
-            self._event(data[start:end])
-            start = end + 2
-        if start == len(data):
-            self._pending = b""
-            return data
-        self._pending = data[start:]
-        if len(self._pending) > _MAX_EVENT:
-            self.unusable, self._pending = "oversized_event", b""
-            return data
-        return data[:start]
+            return self._events.take() + chunk
+        whole, events = self._events.split(chunk)
+        for raw in events:
+            self._event(raw)
+        if self._events.oversized():
+            self.unusable = "oversized_event"
+            return whole + self._events.take()
+        return whole
 
     def flush(self) -> bytes:
         """Bytes held back from the client (the end of a stream that was not a whole event)."""
-        held, self._pending = self._pending, b""
-        return held
+        return self._events.take()
 
     def _event(self, raw: bytes) -> None:
         for line in raw.split(b"\n"):
@@ -205,27 +227,20 @@ def continuation(path: str, body: bytes, transcript: Transcript) -> bytes:
 class Splice:
     """Turns a continuation's stream into the rest of the first one, event by event."""
 
-    __slots__ = ("transcript", "before", "_pending")
+    __slots__ = ("transcript", "before", "_events")
 
     def __init__(self, transcript: Transcript) -> None:
         self.transcript = transcript
         self.before = transcript.tokens  # tokens the earlier parts produced
-        self._pending = b""
+        self._events = Events()
 
     def feed(self, chunk: bytes) -> bytes:
         """The bytes to send on for ``chunk`` of the continuation (complete events only)."""
-        data = self._pending + chunk if self._pending else chunk
-        out: list[bytes] = []
-        start = 0
-        while (end := data.find(b"\n\n", start)) >= 0:
-            event = self._event(data[start:end])
-            if event:
-                out.append(event)
-            start = end + 2
-        self._pending = data[start:]
-        if len(self._pending) > _MAX_EVENT:
+        _, events = self._events.split(chunk)
+        out = b"".join([self._event(raw) for raw in events])
+        if self._events.oversized():
             raise SpliceError("the continuation sent an oversized event")
-        return b"".join(out)
+        return out
 
     def _event(self, raw: bytes) -> bytes:
         line = raw.strip()

@@ -268,9 +268,17 @@ def openai_streams_through_a_kill(rt: Proc, victim: Proc, clients: int, max_toke
         t.start()
     try:
         wait_until(lambda: len(results) >= warm, timeout=120)  # steady: streams in every phase on every replica
-        # killed while at least 3 streams are receiving tokens from it (not only waiting for their first)
+        # Killed while the replica itself is generating for at least 3 requests, and clients are reading from it.
+        # What a client has read lags what the replica has sent (2 cores run the replicas, the router and the 16
+        # clients), so the clients' view alone could pick a moment when every stream was already complete.
         name = f"127.0.0.1:{victim.port}"
-        wait_until(lambda: sum(1 for r in list(streaming.values()) if r == name) >= 3, timeout=60, interval=0.005)
+        from loadtest.vllm_cluster import metrics
+
+        def generating() -> bool:
+            return (any(r == name for r in list(streaming.values()))
+                    and metrics(victim.url).get("vllm:num_requests_running", 0) >= 3)
+
+        wait_until(generating, timeout=60, interval=0.005)
         victim.kill()
         killed = time.monotonic()
         wait_until(lambda: not replicas_view(rt)[victim.url]["ready"], timeout=10)
