@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from typing import Callable
 
@@ -32,6 +33,14 @@ def replica_names(router_proc: Proc) -> set[str]:
 def replicas_view(router_proc: Proc, headers: dict[str, str] | None = None) -> dict[str, dict]:
     body = httpx.get(router_proc.url + "/admin/replicas", headers=headers, timeout=2).json()
     return {r["url"]: r for r in body["replicas"]}
+
+
+_RUNNING = re.compile(rb"^vllm:num_requests_running(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+
+
+def running(url: str) -> float:
+    """A replica's ``vllm:num_requests_running`` now (summed over engines), read without parsing the rest."""
+    return sum(float(v) for v in _RUNNING.findall(httpx.get(url + "/metrics", timeout=5).content))
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> float:
@@ -270,13 +279,13 @@ def openai_streams_through_a_kill(rt: Proc, victim: Proc, clients: int, max_toke
         wait_until(lambda: len(results) >= warm, timeout=120)  # steady: streams in every phase on every replica
         # Killed while the replica itself is generating for at least 3 requests, and clients are reading from it.
         # What a client has read lags what the replica has sent (2 cores run the replicas, the router and the 16
-        # clients), so the clients' view alone could pick a moment when every stream was already complete.
+        # clients), so the clients' view alone could pick a moment when every stream was already complete; the
+        # replica's own gauge is read last and without a full parse, so that little time passes before the kill.
         name = f"127.0.0.1:{victim.port}"
-        from loadtest.vllm_cluster import metrics
 
         def generating() -> bool:
             return (any(r == name for r in list(streaming.values()))
-                    and metrics(victim.url).get("vllm:num_requests_running", 0) >= 3)
+                    and replicas_view(rt)[victim.url]["inflight"] >= 3 and running(victim.url) >= 3)
 
         wait_until(generating, timeout=60, interval=0.005)
         victim.kill()
