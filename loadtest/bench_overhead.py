@@ -16,7 +16,9 @@ the router sat idle (new upstream connections).
 (:mod:`loadtest.instant`, captured vLLM bytes, tens of microseconds per request) behind the router,
 non-streaming requests with 8000-character prompts at concurrency 32, for the least-loaded and
 cache-aware policies with 1 and 2 worker processes (2 workers with a cache-aware policy share a
-local redis-server). It reports requests per second, the router's CPU seconds per 1000 requests
+local redis-server), then streams of the captured 6 completion events with ``proxy.stream_failover`` on (the default:
+the router reads every event it relays, to continue a broken stream elsewhere) and off. It reports requests
+per second, the router's CPU seconds per 1000 requests
 (parent and workers), and latency; with one worker the router has a core of its own, with two they
 share both cores with the replica and the load generator. Then the streaming relay: paced streams
 (the simulated replica, 16 events 5 ms apart) direct and through the router, events per second each.
@@ -156,25 +158,33 @@ def instant(args: argparse.Namespace) -> int:
         wait_redis(redis)
         direct = asyncio.run(_throughput(port, body, args.instant_requests, args.concurrency))
         rows.append(("direct (the instant replica alone)", "-", direct, None))
+        runs: list[tuple[str, int, list[str], bytes]] = []
         for workers in args.workers:
             for policy in ("least-loaded", "cache-aware"):
-                extra = ["--policy", policy, "--set", "queue.max_size=4096"]
-                if workers > 1:
-                    extra += ["--workers", str(workers)]
+                extra = ["--policy", policy]
                 if workers > 1 and policy == "cache-aware":
                     extra += ["--index", f"redis://127.0.0.1:{redis.port}/0"]
-                rt = router([replica.url], *extra, log_dir=logs)
-                rt.argv = _pin(rt.argv, (1 if workers == 1 else "0,1") if pin else None)
-                try:
-                    rt.start()
-                    rt.wait_http("/ready", timeout=20)
-                    asyncio.run(_throughput(rt.port, body, 2000, args.concurrency))  # warm up
-                    before = tree_cpu_seconds(rt.pid)
-                    res = asyncio.run(_throughput(rt.port, body, args.instant_requests, args.concurrency))
-                    cpu = tree_cpu_seconds(rt.pid) - before
-                finally:
-                    rt.stop()
-                rows.append((policy, str(workers), res, cpu / args.instant_requests * 1000))
+                runs.append((policy, workers, extra, body))
+        # Streams: what reading each event for a possible mid-stream failover costs, beside the relay alone
+        streamed = json.dumps({"model": "tiny", "prompt": ("The quick brown fox jumps over the lazy dog. " * 89)[:4000],
+                               "max_tokens": 16, "stream": True}).encode()
+        runs += [("cache-aware, streams (6 events)", 1, ["--policy", "cache-aware"], streamed),
+                 ("cache-aware, streams, stream_failover off", 1,
+                  ["--policy", "cache-aware", "--set", "proxy.stream_failover=false"], streamed)]
+        for label, workers, extra, request in runs:
+            extra = [*extra, "--set", "queue.max_size=4096"] + (["--workers", str(workers)] if workers > 1 else [])
+            rt = router([replica.url], *extra, log_dir=logs)
+            rt.argv = _pin(rt.argv, (1 if workers == 1 else "0,1") if pin else None)
+            try:
+                rt.start()
+                rt.wait_http("/ready", timeout=20)
+                asyncio.run(_throughput(rt.port, request, 2000, args.concurrency))  # warm up
+                before = tree_cpu_seconds(rt.pid)
+                res = asyncio.run(_throughput(rt.port, request, args.instant_requests, args.concurrency))
+                cpu = tree_cpu_seconds(rt.pid) - before
+            finally:
+                rt.stop()
+            rows.append((label, str(workers), res, cpu / args.instant_requests * 1000))
         stream = _paced_streams(args, logs, pin)
     finally:
         replica.stop()
