@@ -6,7 +6,9 @@ Fills the prefix index with about ``--entries`` (block, replica) entries over 3 
 times complete cache-aware decisions, in process, for prompts of 1k, 8k and 32k tokens (4 bytes
 per token, KV blocks of 16 tokens), half of them sharing an indexed prefix, on both backends: the
 in-process index and Redis on loopback (a temporary redis-server). Also reports Redis memory per
-(block, replica) entry (``used_memory`` difference / entries).
+(block, replica) entry (``used_memory`` difference / entries), and the prompt key of chat requests
+with the tiny model's tokenizer (the default wherever a model's tokenizer is found), encoded by pieces
+between its added tokens (the default) and whole.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from router.keys import PromptKeys
 from router.load import LoadTable
 from router.metrics import Metrics
 from router.policy import build_policy
+from router.prefix import key_for
 from router.pool import ReplicaPool
 from router.request import RouteRequest
 from router.routing import Router
 from router.sessions import LocalSessions
 
 from .cluster import redis_server, wait_redis
+from .tiny_model import write_tokenizer
 from .workloads import text
 
 BLOCK = 16
@@ -123,6 +127,34 @@ async def bench(backend: str, entries: int, decisions: int, seed: int) -> dict[s
     return out
 
 
+CHAT_SIZES = (1024, 8192)
+
+
+def bench_chat(decisions: int, seed: int, segments: bool, folder: Path) -> dict[str, dict[str, float]]:
+    """Prompt keys of chat requests with the model's tokenizer (the default wherever it is found): a system
+    prompt of ``size`` tokens shared by 8 requests in a row, plus a 64-word question."""
+    from router.tokenizer import LocalTokenizer
+
+    tokenizer = LocalTokenizer(folder, segments=segments)
+    counter = LocalTokenizer(folder, segments=False)
+    rng = random.Random(seed)
+    out: dict[str, dict[str, float]] = {}
+    for size in CHAT_SIZES:
+        systems = [text(rng, size * 4) for _ in range(16)]
+        times = []
+        for i in range(decisions):
+            messages = [{"role": "system", "content": systems[(i // 8) % len(systems)]},
+                        {"role": "user", "content": text(rng, 256)}]
+            t0 = time.perf_counter()
+            key_for("/v1/chat/completions", {"model": "m", "messages": messages}, "m", tokenizer=tokenizer)
+            times.append(time.perf_counter() - t0)
+        out[str(size)] = {"p50_ms": pct(times, 50) * 1e3, "p99_ms": pct(times, 99) * 1e3,
+                          "mean_ms": statistics.mean(times) * 1e3,
+                          "system_tokens": statistics.mean(len(counter.encode(x, False)) for x in systems)}
+    out["encoding"] = tokenizer.describe()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_decision", description=__doc__.split("\n\n")[0])
     p.add_argument("--entries", type=int, default=1_000_000)
@@ -151,6 +183,17 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['p99_ms']:.3f} ms |")
     lines.append(f"\nRedis memory: {report['redis']['entries']['bytes_per_entry']:.1f} bytes per (block, replica) "
                  "entry")  # type: ignore[index]
+    folder = write_tokenizer(Path(tempfile.mkdtemp(prefix="kvroute-bench-")) / "tiny-model")
+    for segments in (True, False):
+        report["chat_segments" if segments else "chat_whole"] = bench_chat(args.decisions, args.seed, segments, folder)
+    lines += ["", f"Chat prompt keys with the tiny model's tokenizer, {args.decisions} per size, each system prompt "
+              "shared by 8 requests in a row:", "",
+              "| system prompt (characters / tokens) | by pieces p50 | p99 | whole p50 | p99 |", "|---|---|---|---|---|"]
+    for size in CHAT_SIZES:
+        a, b = report["chat_segments"][str(size)], report["chat_whole"][str(size)]  # type: ignore[index]
+        lines.append(f"| {size * 4} / {a['system_tokens']:.0f} | {a['p50_ms']:.3f} ms | {a['p99_ms']:.3f} ms | {b['p50_ms']:.3f} ms | "
+                     f"{b['p99_ms']:.3f} ms |")
+    lines.append(f"\nBy pieces: {report['chat_segments']['encoding']}")  # type: ignore[index]
     print("\n".join(lines))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

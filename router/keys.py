@@ -13,7 +13,8 @@ moved away from it: the first time by a tenth after 2 answers, later by a quarte
 a change no longer match, so the first one comes early and the rest are rare).
 
 Long prompts are tokenized in a worker thread, off the event loop (the tokenizers package releases
-the GIL); tokenizers are loaded in one too.
+the GIL), by pieces kept between requests (:class:`router.tokenizer.Segments`); tokenizers are loaded
+in a worker thread too.
 """
 
 from __future__ import annotations
@@ -160,8 +161,10 @@ class PromptKeys:
         models = self._seen | set(self._calibration)
         out: dict[str, Any] = {}
         for m in sorted(models):
-            if self.tokenizer(m) is not None:
-                out[m] = {"mode": "tokens", "tokenizer": self._source.get(m, "prefix.tokenizer")}
+            tokenizer = self.tokenizer(m)
+            if tokenizer is not None:
+                out[m] = {"mode": "tokens", "tokenizer": self._source.get(m, "prefix.tokenizer"),
+                          "encoding": tokenizer.describe()}
             else:
                 c = self._calibration.get(m)
                 out[m] = {"mode": "bytes", "bytes_per_token": self.bytes_per_token(m),

@@ -13,9 +13,21 @@ optionally, ``tokenizer_config.json`` (``chat_template``, ``bos_token``, ``eos_t
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import threading
+from array import array
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
+
+log = logging.getLogger("kvroute.tokenizer")
+
+_SEGMENT_MIN_CHARS = 256  # shorter text between added tokens is encoded each time (it is cheap)
+_CACHE_TOKENS = 2_000_000  # token ids kept per tokenizer (4 bytes each)
+_VERIFY_FIRST = 32  # encodes checked against the whole-text encode before trusting segments ...
+_VERIFY_EVERY = 256  # ... and one in this many after
 
 
 class TokenizerError(Exception):
@@ -29,7 +41,9 @@ def _token_text(value: Any) -> str | None:
 
 
 class LocalTokenizer:
-    def __init__(self, path: str | Path) -> None:
+    """``segments=False`` encodes every text whole (see :class:`Segments`; for comparisons)."""
+
+    def __init__(self, path: str | Path, segments: bool = True) -> None:
         try:
             import tokenizers
         except ImportError:
@@ -65,19 +79,119 @@ class LocalTokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
             self._template = env.from_string(template)
+        self._segments = Segments.of(self._tok, str(file)) if segments else None
 
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._segments is not None:
+            ids = self._segments.encode(text, add_special_tokens)
+            if ids is not None:
+                return ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def describe(self) -> dict[str, Any]:
+        return self._segments.describe() if self._segments is not None else {"segments": "off"}
 
     def render_chat(self, messages: Sequence[Any]) -> str:
         if self._template is None:
             raise TokenizerError("this tokenizer has no chat template")
         return self._template.render(messages=list(messages), add_generation_prompt=True,
                                      bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+class Segments:
+    """Encodes long text piece by piece between the tokenizer's added tokens, keeping the pieces' ids.
+
+    A tokenizer matches its added tokens (``<s>``, ``</s>``, ``<|eot_id|>``, ...) before anything else
+    and encodes the text between them on its own, so a prompt's ids are its pieces' ids in order. Chat
+    templates put such tokens between messages: the long system prompt that many requests share is
+    one piece, encoded once. The pieces' ids are kept least recently used first out, up to
+    ``_CACHE_TOKENS``. Whether a tokenizer really encodes that way (an added token that swallows the
+    spaces beside it does not) is checked against the whole-text encode on the first encodes and now and
+    then after: one difference turns the pieces off for that tokenizer, with a warning.
+    """
+
+    def __init__(self, tok: Any, name: str, added: dict[str, int], prefix: list[int], suffix: list[int]) -> None:
+        self._tok = tok
+        self._name = name
+        self._ids = added
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
+        self._prefix, self._suffix = prefix, suffix  # what add_special_tokens puts around the text
+        self._cache: OrderedDict[str, array] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()  # encodes run on the event loop and in worker threads
+        self.enabled = True
+        self.encodes = self.hits = self.misses = self.checked = 0
+
+    @classmethod
+    def of(cls, tok: Any, name: str) -> "Segments | None":
+        """Segments for ``tok``, or None if it has no added tokens to split at."""
+        added = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.content}
+        if not added:
+            return None
+        empty = tok.encode("", add_special_tokens=True).ids
+        probe, bare = tok.encode("a", add_special_tokens=True).ids, tok.encode("a", add_special_tokens=False).ids
+        for k in range(len(empty) + 1):  # where the text goes among the special tokens added around it
+            if probe == empty[:k] + bare + empty[k:]:
+                return cls(tok, name, added, empty[:k], empty[k:])
+        return None
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int] | None:
+        """The ids of ``text``, or None where the whole text must be encoded instead."""
+        if not self.enabled or len(text) < 2 * _SEGMENT_MIN_CHARS:
+            return None
+        parts = self._split.split(text)
+        if len(parts) == 1:
+            return None  # nothing to split at (a prompt is seldom sent twice whole)
+        ids: list[int] = list(self._prefix) if add_special_tokens else []
+        for i, part in enumerate(parts):
+            if i % 2:  # an added token
+                ids.append(self._ids[part])
+            elif len(part) >= _SEGMENT_MIN_CHARS:
+                ids.extend(self._piece(part))
+            elif part:
+                ids.extend(self._tok.encode(part, add_special_tokens=False).ids)
+        if add_special_tokens:
+            ids.extend(self._suffix)
+        with self._lock:
+            self.encodes += 1
+            check = self.encodes <= _VERIFY_FIRST or self.encodes % _VERIFY_EVERY == 0
+        if check:
+            whole = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+            with self._lock:
+                self.checked += 1
+            if whole != ids:
+                self.enabled = False
+                log.warning("tokenizer %s: encoding text piece by piece between its added tokens differs from "
+                            "encoding it whole; every prompt is encoded whole from now on", self._name)
+                return whole
+        return ids
+
+    def _piece(self, part: str) -> array:
+        with self._lock:
+            got = self._cache.get(part)
+            if got is not None:
+                self._cache.move_to_end(part)
+                self.hits += 1
+                return got
+            self.misses += 1
+        got = array("I", self._tok.encode(part, add_special_tokens=False).ids)
+        with self._lock:
+            if part not in self._cache and len(got) <= _CACHE_TOKENS // 4:
+                self._cache[part] = got
+                self._tokens += len(got)
+                while self._tokens > _CACHE_TOKENS:
+                    self._tokens -= len(self._cache.popitem(last=False)[1])
+        return got
+
+    def describe(self) -> dict[str, Any]:
+        with self._lock:
+            return {"segments": "on" if self.enabled else "off (they encoded differently)",
+                    "cached_pieces": len(self._cache), "cached_tokens": self._tokens, "hits": self.hits,
+                    "misses": self.misses, "checked_against_whole": self.checked}
 
 
 def _raise(message: str) -> None:

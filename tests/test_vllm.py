@@ -161,6 +161,8 @@ def test_with_the_models_tokenizer_predicted_cached_tokens_match_vllms_hits(repl
         hits = sum(vllm_cluster.metrics(p.url)["vllm:prefix_cache_hits_total"] - before[p.url] for p in replicas)
         assert hits > 0, "the requests of a group should have hit vLLM's prefix cache"
         assert abs(predicted - hits) <= 0.05 * hits, (predicted, hits)
+        encoding = httpx.get(rt.url + "/admin/replicas").json()["prompt_keys"]["tiny"]["encoding"]
+        assert encoding["segments"] == "on" and encoding["hits"] >= 10, encoding  # system prompts encoded once
     finally:
         c.stop_all()
 
