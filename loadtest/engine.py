@@ -182,6 +182,7 @@ class Request:
     output: int = 0  # tokens generated
     cached_tokens: int = -1  # prefix-cache hit when first scheduled (-1: not yet)
     offered: int = 0  # prompt blocks already offered to the prefix cache
+    scheduled_at: float = 0.0  # when first scheduled
     first_token_at: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
@@ -233,6 +234,8 @@ class Engine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.preemptions = 0
+        self.prefill_seconds = 0.0  # summed over requests, from first scheduled to first token
+        self.prefill_requests = 0
         self.ttft = Histogram(TTFT_BUCKETS)  # engine seconds from arrival at the API server to the first token
 
     # -- requests ------------------------------------------------------------------------------
@@ -322,6 +325,7 @@ class Engine:
                 break
             if req.cached_tokens < 0:
                 req.cached_tokens = req.computed
+                req.scheduled_at = self.now
                 self.prefix_queries += len(req.prompt)
                 self.prefix_hits += req.computed
                 self.prompt_tokens += len(req.prompt)
@@ -347,6 +351,8 @@ class Engine:
             if req.first_token_at is None:
                 req.first_token_at = self.now
                 self.ttft.observe(self.frontend_s + self.now - req.arrival)
+                self.prefill_seconds += self.now - req.scheduled_at  # vLLM's prefill time: scheduled to first token
+                self.prefill_requests += 1
             tokens.append(req)
             if req.output >= req.max_tokens:
                 req.finished_at = self.now

@@ -652,6 +652,12 @@ class VLLMSimulator:
         for reason, n in (("stop", 0), ("length", c.completed), ("abort", c.aborted), ("error", c.failed)):
             lines.append(f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="{self.model}"}} {float(n)}')
         if e is not None:
+            lines += ["# HELP vllm:request_prefill_time_seconds Histogram of time spent in PREFILL phase for request.",
+                      "# TYPE vllm:request_prefill_time_seconds histogram",
+                      f'vllm:request_prefill_time_seconds_bucket{{engine="0",le="+Inf",model_name="{self.model}"}} '
+                      f'{float(e.prefill_requests)}',
+                      f"vllm:request_prefill_time_seconds_count{{{lab}}} {float(e.prefill_requests)}",
+                      f"vllm:request_prefill_time_seconds_sum{{{lab}}} {e.prefill_seconds}"]
             h = e.ttft
             lines += ["# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
                       "# TYPE vllm:time_to_first_token_seconds histogram"]

@@ -32,8 +32,9 @@ class PlatformProfile:
     ``block_size`` is vLLM's KV block size in tokens there (the replica's ``/metrics`` wins once
     scraped). ``device_speed`` is the relative throughput of one device (one Gaudi 2 card = 1.0);
     only ratios between replicas matter. ``prefill_tokens_per_s`` is one device's prompt
-    throughput for a mid-sized (~8B) model, the default from which a replica's prefill rate is
-    scaled by its parallel group; set the replica's own ``prefill_tokens_per_s`` when known.
+    throughput for a mid-sized (~8B) model, the guess from which a replica's prefill rate is
+    scaled by its parallel group until its ``/metrics`` show the real one (or its own
+    ``prefill_tokens_per_s`` is set).
     """
 
     block_size: int
@@ -73,8 +74,10 @@ class ReplicaConfig(_Model):
                                    "/metrics, else the platform's (128 Gaudi and CPU, 16 XPU and CUDA)")
     num_gpu_blocks: int | None = Field(None, ge=1, description="KV cache size in blocks; default: from /metrics, "
                                        "else index.default_blocks")
-    prefill_tokens_per_s: float | None = Field(None, gt=0, description="prompt tokens per second; default: the "
-                                               "platform's per-device rate x TP x PP")
+    prefill_tokens_per_s: float | None = Field(None, gt=0, description="prompt tokens per second; default: "
+                                               "learned from the replica's /metrics (uncached prompt tokens over "
+                                               "vllm:request_prefill_time_seconds), until then the platform's "
+                                               "per-device rate x TP x PP")
     kv_events: str | None = Field(None, description="the replica's KV-cache event publisher (tcp://HOST:PORT); "
                                   "default: what its /kv_event_sources says; off: none (approximate index)")
     kv_events_replay: str | None = Field(None, description="its replay endpoint (tcp://HOST:PORT), with kv_events")

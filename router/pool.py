@@ -33,6 +33,10 @@ from .view import ReplicaView, with_load
 
 log = logging.getLogger("kvroute.pool")
 
+_PREFILL_MIN_REQUESTS = 4  # a prefill-rate sample spans at least this many requests ...
+_PREFILL_MIN_TOKENS = 512  # ... and this many uncached prompt tokens
+_PREFILL_SMOOTHING = 0.3  # weight of a new sample in the running figure
+
 _DEFAULT_BLOCKS = IndexConfig().default_blocks
 
 State = Literal["starting", "ready", "unready"]
@@ -54,6 +58,8 @@ class Replica:
         self.stats: ReplicaStats | None = None
         self.stats_at: float | None = None
         self.external_load = 0.0
+        self.learned_prefill_rate: float | None = None  # prompt tokens/s from its own metrics
+        self.prefill_base: ReplicaStats | None = None  # the scrape the next prefill-rate sample counts from
         self.fails = 0
         self.successes = 0
         self.last_error: str | None = None
@@ -82,7 +88,7 @@ class Replica:
         return ReplicaView(
             name=self.name, ready=self.ready, models=self.models,
             max_num_seqs=cfg.max_num_seqs, capacity=cfg.capacity, block_size=self.block_size,
-            kv_blocks=self.kv_blocks, prefill_rate=cfg.prefill_rate,
+            kv_blocks=self.kv_blocks, prefill_rate=self.prefill_rate,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             kv_usage=self.stats.kv_usage if self.stats is not None else 0.0, external_load=self.external_load)
 
@@ -116,7 +122,16 @@ class Replica:
 
     @property
     def prefill_rate(self) -> float:
+        """Prompt tokens per second: as configured, else as its metrics show, else the platform's guess."""
+        if self.config.prefill_tokens_per_s is None and self.learned_prefill_rate is not None:
+            return self.learned_prefill_rate
         return self.config.prefill_rate
+
+    @property
+    def prefill_rate_source(self) -> str:
+        if self.config.prefill_tokens_per_s is not None:
+            return "configured"
+        return "learned from its metrics" if self.learned_prefill_rate is not None else "platform guess"
 
     def describe(self) -> dict[str, Any]:
         s = self.stats
@@ -135,6 +150,7 @@ class Replica:
             "block_size": self.block_size,
             "num_gpu_blocks": self.kv_blocks,
             "prefill_tokens_per_s": self.prefill_rate,
+            "prefill_rate_source": self.prefill_rate_source,
             "engine": None if s is None else {
                 "running": s.running,
                 "waiting": s.waiting,
@@ -430,6 +446,7 @@ class ReplicaPool:
             self.metrics.replica_restarts.labels(r.name).inc()
             log.warning("replica %s restarted (its KV cache is empty)", r.name, extra={"replica": r.name})
             self.events.publish(ReplicaRestarted(r.name, prev.start_time, stats.start_time))
+        self._learn_prefill_rate(r, stats, restarted=prev is not None and self._restarted(prev, stats))
         r.stats = stats
         r.stats_at = time.time()
         # The engine's count includes this router's requests. Any of them may have started or ended
@@ -439,6 +456,36 @@ class ReplicaPool:
         r.view = r.make_view()
         self.metrics.replica_engine_load.labels(r.name).set(stats.running + stats.waiting)
         self.metrics.replica_kv_usage.labels(r.name).set(stats.kv_usage)
+
+    def _learn_prefill_rate(self, r: Replica, stats: ReplicaStats, restarted: bool) -> None:
+        """Prompt tokens per second of prefill, from the replica's counters since an earlier scrape: uncached
+        prompt tokens (prompt tokens less prefix-cache hits) over the seconds its requests spent in prefill.
+        Requests prefilled in one step each count that step, so a busy replica looks slower than it is: a
+        cache miss is then priced higher, which keeps prompts with their cache. A running average of samples
+        of at least ``_PREFILL_MIN_REQUESTS`` requests and ``_PREFILL_MIN_TOKENS`` tokens."""
+        if "prefill_seconds" not in stats.seen or "prompt_tokens" not in stats.seen:
+            return
+        base = r.prefill_base
+        if base is None or restarted:
+            r.prefill_base = stats
+            return
+        requests = stats.prefill_requests - base.prefill_requests
+        seconds = stats.prefill_seconds - base.prefill_seconds
+        uncached = (stats.prompt_tokens - base.prompt_tokens) - (stats.prefix_hits - base.prefix_hits)
+        if requests < 0 or seconds < 0:  # counters went back: a restart the start time did not show
+            r.prefill_base = stats
+            return
+        if requests < _PREFILL_MIN_REQUESTS or uncached < _PREFILL_MIN_TOKENS or seconds <= 0:
+            return  # keep counting from the same base
+        r.prefill_base = stats
+        sample = uncached / seconds
+        first = r.learned_prefill_rate is None
+        r.learned_prefill_rate = sample if first else (
+            (1 - _PREFILL_SMOOTHING) * r.learned_prefill_rate + _PREFILL_SMOOTHING * sample)  # type: ignore[operator]
+        if first and r.config.prefill_tokens_per_s is None:
+            log.info("replica %s: prefill at %.0f prompt tokens/s by its metrics (the %s platform's guess was %.0f; "
+                     "replicas[].prefill_tokens_per_s sets it)", r.name, sample, r.config.platform,
+                     r.config.prefill_rate, extra={"replica": r.name})
 
     @staticmethod
     def _restarted(prev: ReplicaStats, cur: ReplicaStats) -> bool:

@@ -19,6 +19,9 @@ _SUMMED = {
     "vllm:prefix_cache_queries_total": "prefix_queries",
     "vllm:gpu_prefix_cache_hits_total": "prefix_hits",
     "vllm:gpu_prefix_cache_queries_total": "prefix_queries",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
+    "vllm:request_prefill_time_seconds_count": "prefill_requests",
 }
 _MAXED = {
     "vllm:kv_cache_usage_perc": "kv_usage",
@@ -38,6 +41,9 @@ class ReplicaStats:
     kv_usage: float = 0.0
     prefix_hits: float = 0.0
     prefix_queries: float = 0.0
+    prompt_tokens: float = 0.0  # counters since the replica started: prompt tokens (cached or not),
+    prefill_seconds: float = 0.0  # ... time requests spent in prefill, summed, and how many requests
+    prefill_requests: float = 0.0
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     start_time: float | None = None

@@ -115,6 +115,15 @@ def test_time_to_first_token_counts_the_queue_the_prefill_steps_and_the_front_en
     assert e.ttft.buckets[e.ttft.bounds.index(0.06)] == 0 and e.ttft.buckets[e.ttft.bounds.index(0.08)] == 2
 
 
+def test_prefill_time_is_summed_per_request_from_first_scheduled_to_first_token_as_vllm_counts_it():
+    e, _ = engine(max_num_batched_tokens=64, cost=StepCost(base_s=0.01, prefill_s_per_token=0.0,
+                                                          decode_s_per_seq=0.0, context_s_per_token=0.0))
+    e.add(Request("a", prompt(1, 100), max_tokens=1))  # two prefill steps
+    e.add(Request("b", prompt(2, 10), max_tokens=1))  # scheduled in the second, its first token after it
+    run(e)
+    assert e.prefill_requests == 2 and e.prefill_seconds == pytest.approx(0.02 + 0.01)
+
+
 def test_at_most_max_num_seqs_run_and_the_rest_wait_in_arrival_order():
     e, _ = engine(max_num_seqs=2)
     reqs = [Request(str(i), prompt(i + 1, 20), max_tokens=2) for i in range(4)]
@@ -225,6 +234,34 @@ def test_the_stand_ins_time_to_first_token_histogram_includes_its_front_end_time
     assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.06",model_name="tiny"} 0.0' in metrics
     assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="tiny"} 1.0' in metrics
     assert 'vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 1.0' in metrics
+
+
+def test_a_router_learns_a_replicas_prefill_rate_from_its_metrics(cluster):
+    # 50 us per prompt token: 20,000 tokens/s, where the platform's guess for a gaudi2 TP-8 replica is 64,000
+    sim = cluster.sim("--engine", "--step-base-ms", "1", "--step-prefill-us-per-token", "50")
+    rt = cluster.router([], config={"replicas": [{"url": sim.url, "platform": "gaudi2",
+                                                     "tensor_parallel_size": 8}]})
+    assert replicas_view(rt)[sim.url]["prefill_rate_source"] == "platform guess"
+    with httpx.Client(timeout=10) as c:
+        for i in range(8):  # distinct prompts of about 1,000 tokens, one at a time
+            c.post(rt.url + "/v1/completions", json={"model": "tiny", "max_tokens": 1,
+                                                    "prompt": f"request {i} " + "word " * 1000})
+    wait_until(lambda: replicas_view(rt)[sim.url]["prefill_rate_source"] == "learned from its metrics", timeout=10)
+    rate = replicas_view(rt)[sim.url]["prefill_tokens_per_s"]
+    assert 14_000 < rate < 21_000, rate  # a step's fixed 1 ms counts too
+    assert "prefill at" in rt.log_tail(4000)
+
+
+def test_a_configured_prefill_rate_is_kept_whatever_the_metrics_show(cluster):
+    sim = cluster.sim("--engine", "--step-base-ms", "1", "--step-prefill-us-per-token", "50")
+    rt = cluster.router([], config={"replicas": [{"url": sim.url, "prefill_tokens_per_s": 5000}]})
+    with httpx.Client(timeout=10) as c:
+        for i in range(8):
+            c.post(rt.url + "/v1/completions", json={"model": "tiny", "max_tokens": 1,
+                                                    "prompt": f"request {i} " + "word " * 1000})
+    time.sleep(2.5)  # two scrapes
+    view = replicas_view(rt)[sim.url]
+    assert (view["prefill_tokens_per_s"], view["prefill_rate_source"]) == (5000, "configured")
 
 
 def test_one_process_serves_several_replicas_on_consecutive_ports_behind_a_router(cluster):

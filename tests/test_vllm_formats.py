@@ -33,6 +33,12 @@ def test_metrics_parser_reads_a_real_exposition():
     assert s.start_time == pytest.approx(1795945935.71)
 
 
+def test_metrics_parser_reads_prompt_tokens_and_prefill_time_of_a_real_exposition():
+    s = parse_metrics((FIX / "metrics.txt").read_text())
+    assert s.prompt_tokens == 3238.0
+    assert (s.prefill_requests, s.prefill_seconds) == (4.0, pytest.approx(0.0356433980005022))
+
+
 def test_metrics_parser_sums_engines_and_accepts_old_names():
     text = "\n".join([
         'vllm:num_requests_running{engine="0",model_name="m"} 3',
