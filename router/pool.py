@@ -441,12 +441,14 @@ class ReplicaPool:
             return
         stats = parse_metrics(resp.text)
         prev = r.stats
-        if prev is not None and self._restarted(prev, stats):
+        restarted = prev is not None and self._restarted(prev, stats)
+        if restarted:
+            assert prev is not None
             r.restarts += 1
             self.metrics.replica_restarts.labels(r.name).inc()
             log.warning("replica %s restarted (its KV cache is empty)", r.name, extra={"replica": r.name})
             self.events.publish(ReplicaRestarted(r.name, prev.start_time, stats.start_time))
-        self._learn_prefill_rate(r, stats, restarted=prev is not None and self._restarted(prev, stats))
+        self._learn_prefill_rate(r, stats, restarted)
         r.stats = stats
         r.stats_at = time.time()
         # The engine's count includes this router's requests. Any of them may have started or ended

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import time
 from typing import Callable
 
@@ -12,6 +11,7 @@ import httpx
 
 from loadtest.cluster import Proc
 from loadtest.tiny_model import WORDS
+from router.replica_metrics import parse_metrics
 
 
 # -- helpers used across tests ---------------------------------------------------------------
@@ -35,12 +35,9 @@ def replicas_view(router_proc: Proc, headers: dict[str, str] | None = None) -> d
     return {r["url"]: r for r in body["replicas"]}
 
 
-_RUNNING = re.compile(rb"^vllm:num_requests_running(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
-
-
 def running(url: str) -> float:
-    """A replica's ``vllm:num_requests_running`` now (summed over engines), read without parsing the rest."""
-    return sum(float(v) for v in _RUNNING.findall(httpx.get(url + "/metrics", timeout=5).content))
+    """A replica's ``vllm:num_requests_running`` now (summed over engines), by the router's own line scan."""
+    return parse_metrics(httpx.get(url + "/metrics", timeout=5).text).running
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> float:
@@ -297,3 +294,29 @@ def openai_streams_through_a_kill(rt: Proc, victim: Proc, clients: int, max_toke
         for t in threads:
             t.join(120)
     return results, killed
+
+
+# A tokenizer trained here in a moment (byte-level BPE, <s> and </s>), with a chat template: no download.
+SMALL_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+SMALL_WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex a jovial mob".split()
+
+
+def small_tokenizer(folder, sep_takes_spaces: bool = False):
+    """``folder`` holding that tokenizer (``tokenizer.json``, ``tokenizer_config.json``); with
+    ``sep_takes_spaces`` its ``</s>`` takes the spaces on either side of it, as some added tokens do."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", AddedToken("</s>", lstrip=sep_takes_spaces, rstrip=sep_takes_spaces, special=True)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    words = SMALL_WORDS
+    tok.train_from_iterator([" ".join(words[i:] + words[:i]) for i in range(len(words))] * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": SMALL_TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}))
+    return folder

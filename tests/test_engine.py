@@ -236,16 +236,21 @@ def test_the_stand_ins_time_to_first_token_histogram_includes_its_front_end_time
     assert 'vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 1.0' in metrics
 
 
+def _send_long_prompts(rt) -> None:
+    """Distinct prompts of about 1,000 tokens, one at a time: 8 samples of the replica's prefill."""
+    with httpx.Client(timeout=10) as c:
+        for i in range(8):
+            c.post(rt.url + "/v1/completions", json={"model": "tiny", "max_tokens": 1,
+                                                    "prompt": f"request {i} " + "word " * 1000})
+
+
 def test_a_router_learns_a_replicas_prefill_rate_from_its_metrics(cluster):
     # 50 us per prompt token: 20,000 tokens/s, where the platform's guess for a gaudi2 TP-8 replica is 64,000
     sim = cluster.sim("--engine", "--step-base-ms", "1", "--step-prefill-us-per-token", "50")
     rt = cluster.router([], config={"replicas": [{"url": sim.url, "platform": "gaudi2",
                                                      "tensor_parallel_size": 8}]})
     assert replicas_view(rt)[sim.url]["prefill_rate_source"] == "platform guess"
-    with httpx.Client(timeout=10) as c:
-        for i in range(8):  # distinct prompts of about 1,000 tokens, one at a time
-            c.post(rt.url + "/v1/completions", json={"model": "tiny", "max_tokens": 1,
-                                                    "prompt": f"request {i} " + "word " * 1000})
+    _send_long_prompts(rt)
     wait_until(lambda: replicas_view(rt)[sim.url]["prefill_rate_source"] == "learned from its metrics", timeout=10)
     rate = replicas_view(rt)[sim.url]["prefill_tokens_per_s"]
     assert 14_000 < rate < 21_000, rate  # a step's fixed 1 ms counts too
@@ -255,10 +260,7 @@ def test_a_router_learns_a_replicas_prefill_rate_from_its_metrics(cluster):
 def test_a_configured_prefill_rate_is_kept_whatever_the_metrics_show(cluster):
     sim = cluster.sim("--engine", "--step-base-ms", "1", "--step-prefill-us-per-token", "50")
     rt = cluster.router([], config={"replicas": [{"url": sim.url, "prefill_tokens_per_s": 5000}]})
-    with httpx.Client(timeout=10) as c:
-        for i in range(8):
-            c.post(rt.url + "/v1/completions", json={"model": "tiny", "max_tokens": 1,
-                                                    "prompt": f"request {i} " + "word " * 1000})
+    _send_long_prompts(rt)
     time.sleep(2.5)  # two scrapes
     view = replicas_view(rt)[sim.url]
     assert (view["prefill_tokens_per_s"], view["prefill_rate_source"]) == (5000, "configured")

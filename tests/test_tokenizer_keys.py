@@ -8,30 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import SMALL_TEMPLATE, SMALL_WORDS, small_tokenizer
 from router.prefix import key_for
 from router.tokenizer import LocalTokenizer
 
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex a jovial mob".split()
+TEMPLATE, WORDS = SMALL_TEMPLATE, SMALL_WORDS
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A tiny byte-level BPE tokenizer trained here, with a chat template: no download."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))] * 20, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}))
-    return folder
+    return small_tokenizer(tmp_path_factory.mktemp("tiny-model"))
 
 
 def test_completion_prompts_are_keyed_by_tokens_with_bos(model_dir):

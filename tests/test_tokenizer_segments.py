@@ -1,40 +1,20 @@
 """Encoding long prompts piece by piece between a tokenizer's added tokens, with the pieces kept."""
 
-import json
 import logging
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import SMALL_WORDS as WORDS
+from helpers import small_tokenizer
 from router import tokenizer as tokenizer_module
 from router.tokenizer import LocalTokenizer
-
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex a jovial mob".split()
-
-
-def _tokenizer_folder(folder, sep_swallows_spaces: bool = False):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<s>", AddedToken("</s>", lstrip=sep_swallows_spaces, rstrip=sep_swallows_spaces, special=True)]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))] * 20, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}))
-    return folder
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return _tokenizer_folder(tmp_path_factory.mktemp("tiny-model"))
+    return small_tokenizer(tmp_path_factory.mktemp("tiny-model"))
 
 
 def _whole(folder, text: str, special: bool) -> list[int]:
@@ -83,7 +63,7 @@ def test_the_kept_pieces_stay_within_their_token_bound(model_dir, monkeypatch):
 
 
 def test_a_tokenizer_whose_added_token_takes_the_spaces_beside_it_is_encoded_whole(tmp_path, caplog):
-    folder = _tokenizer_folder(tmp_path / "tok", sep_swallows_spaces=True)
+    folder = small_tokenizer(tmp_path / "tok", sep_takes_spaces=True)
     tok = LocalTokenizer(folder)
     text = _words(100) + "   </s>   " + _words(100, offset=3)
     with caplog.at_level(logging.WARNING, logger="kvroute.tokenizer"):
