@@ -10,7 +10,9 @@ token counts) through kvroute under each policy:
 - ``shared-prefix``: groups of requests sharing a long system prompt, each with its own question;
 - ``multi-turn``: conversations whose turn n+1 resends turn n with one more exchange, all under
   one short application system prompt; turn t of every conversation forms round t, rounds in a new
-  random order each, one after the other.
+  random order each, one after the other;
+- ``multi-turn, larger than the caches``: twice the conversations, whose histories need more than the
+  three caches hold, so the replicas evict;
 
 and each of them again with 30% of the requests sent straight to a random replica (``bypass``: another
 client, a batch job, a router without the shared index), which only the replicas' KV-cache events
@@ -28,7 +30,10 @@ prefix cache is reset (``/reset_prefix_cache``) and the routers are new.
 The hit rate is delta(``vllm:prefix_cache_hits_total``) / delta(``vllm:prefix_cache_queries_total``)
 summed over the replicas (every request, bypassing or not). Predictions are compared, request by
 request, with vLLM's ``usage.prompt_tokens_details.cached_tokens`` of the routed requests. For the same request sequence (in the order it was sent) the report also
-gives the hit rate of one infinite cache and of one LRU cache as large as the whole cluster.
+gives the hit rate of one infinite cache and of one LRU cache as large as the whole cluster, and a
+sequential model of the same requests on one LRU cache per replica, routed by the longest cached prefix
+as the caches are (precise) and as the router's own requests left them (approximate): the reference
+for what the events can gain over the approximate index on that sequence.
 """
 
 from __future__ import annotations
@@ -125,6 +130,31 @@ def bound_hit_rate(prompts: list[list[int]], capacity_blocks: int | None) -> flo
     hits = sum(cache.admit(ids) for ids in prompts)
     queries = sum(len(ids) for ids in prompts)
     return hits / queries if queries else 0.0
+
+
+def sequential_hit_rates(prompts: list[list[int]], bypass_to: list[int | None], blocks: list[int]) -> dict[str, float]:
+    """The request sequence replayed one request at a time on one LRU cache per replica, routed two ways:
+    ``precise`` sends each routed request to the replica whose cache holds its longest prefix, as the
+    cache is (what the KV-cache events show); ``approximate`` to the longest prefix among what this
+    router sent, trimmed like vLLM (what the router can know without events). Bypassing requests
+    (``bypass_to``: the replica they went to, ``None`` for routed ones) go where they went. Ties go to the
+    replica with the fewest routed requests. The reference for the measured precise / approximate gap."""
+    out = {}
+    for mode in ("precise", "approximate"):
+        real = [PrefixCache(BLOCK, n, seed=0) for n in blocks]
+        known = real if mode == "precise" else [PrefixCache(BLOCK, n, seed=0) for n in blocks]
+        routed = [0] * len(blocks)
+        hits = 0
+        for ids, to in zip(prompts, bypass_to):
+            if to is None:
+                to = max(range(len(blocks)), key=lambda i: (known[i].lookup(ids), -routed[i], -i))
+                routed[to] += 1
+                if known is not real:
+                    known[to].admit(ids)
+            hits += real[to].admit(ids)
+        queries = sum(len(ids) for ids in prompts)
+        out[mode] = hits / queries if queries else 0.0
+    return out
 
 
 # -- one run -----------------------------------------------------------------------------------
@@ -298,11 +328,14 @@ async def settled(procs: list[Proc], args: list[str]) -> None:
 
 
 def table(workload: str, desc: str, results: list[RunResult], infinite: float, cluster: float,
-          replica_blocks: list[int]) -> list[str]:
+          replica_blocks: list[int], model: dict[str, float]) -> list[str]:
     rr = next((r.hit_rate for r in results if r.policy == "round-robin"), float("nan"))
     lines = [f"### {workload}", "", desc, "",
              f"Bounds for the same request sequence: one infinite cache {infinite:.3f}; one LRU cache of the "
-             f"cluster's {sum(replica_blocks)} blocks ({' + '.join(map(str, replica_blocks))}) {cluster:.3f}.", "",
+             f"cluster's {sum(replica_blocks)} blocks ({' + '.join(map(str, replica_blocks))}) {cluster:.3f}. "
+             f"Sent one at a time to one LRU cache per replica, by the longest cached prefix: {model['precise']:.3f} "
+             f"as the caches are (precise), {model['approximate']:.3f} as this router's own requests left them "
+             f"(approximate), {model['precise'] / model['approximate'] - 1:+.1%}.", "",
              "| policy | hit rate (vLLM) | of cluster bound | x round robin | routed requests per replica "
              "| max/mean share | predicted / measured cached tokens | exact predictions | TTFB p50 / p99 ms | wall s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -325,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the raw figures here")
     ap.add_argument("--use", nargs="+", metavar="URL", help="running replicas to use instead of starting 3 (vLLM "
                     "with VLLM_SERVER_DEV_MODE=1, e.g. from python -m loadtest.vllm_cluster --dev-mode)")
-    ap.add_argument("--workload", action="append", choices=["shared-prefix", "multi-turn"], help="only these")
+    ap.add_argument("--workload", action="append", help="only workloads whose name contains this")
     ap.add_argument("--policy", action="append", help="only policies whose name contains this")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="passed to every router (kvroute serve --set), to try a knob")
@@ -346,7 +379,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{6 if q else 21} conversations x {4 if q else 6} turns under one 64-token system prompt; each turn adds "
             "a 128-token user message and resends the previous 128-token assistant reply; round t (turn t of every "
             "conversation) comes in a new random order once round t-1 is done."),
+        "multi-turn, larger than the caches": (
+            multi_turn(tok, 12 if q else 42, 4 if q else 6, 64, 128, 128, args.seed),
+            f"The multi-turn workload with {12 if q else 42} conversations: their histories need {{need:.1f}} times the "
+            "cluster's KV cache, so the replicas evict."),
     }
+    for wl, (convs, desc) in workloads.items():  # how much of the cluster's cache each workload's histories need
+        need = sum(len(tok.encode(tok.render_chat(c.turns[-1]), add_special_tokens=False)) // BLOCK for c in convs)
+        workloads[wl] = (convs, desc.replace("{need:.1f}", f"{need / (3 * args.num_gpu_blocks):.1f}"))
     for wl in list(workloads):
         convs, desc = workloads[wl]
         workloads[f"{wl}, 30% bypass"] = (convs, desc + " 30% of the requests (the same ones in every run) go "
@@ -366,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_redis(redis)
         for wl, (convs, desc) in workloads.items():
-            if args.workload and wl not in args.workload:
+            if args.workload and not any(f in wl for f in args.workload):
                 continue
             ns = "bench-" + "".join(ch for ch in wl if ch.isalnum())
             policies = [
@@ -400,9 +440,13 @@ def main(argv: list[str] | None = None) -> int:
             infinite = bound_hit_rate(prompts, None)
             cluster = bound_hit_rate(prompts, sum(blocks))
             one = bound_hit_rate(prompts, max(blocks))
+            hosts = [url.split("//")[-1] for url in replicas]
+            model = sequential_hit_rates(prompts, [hosts.index(s.replica) if s.router < 0 else None for s in order],
+                                         blocks)
             report += table(wl, desc + f" One replica's cache alone would reach {one:.3f}.", results, infinite,
-                            cluster, blocks)
+                            cluster, blocks, model)
             raw[wl] = {"bounds": {"infinite": infinite, "cluster": cluster, "one_replica": one},
+                       "sequential_model": model,
                        "runs": [{"policy": r.policy, "hit_rate": r.hit_rate, "hits": r.hits, "queries": r.queries,
                                  "predicted": r.predicted, "predicted_ratio": r.predicted_ratio,
                                  "exact_share": r.exact_share, "requests_by_replica": r.requests_by_replica,

@@ -145,6 +145,15 @@ class PrefixCache:
     def chain(self, ids: list[int]) -> list[int]:
         return chain_tokens(ids, self.block_size, self.seed)
 
+    def lookup(self, ids: list[int]) -> int:
+        """The prompt's cached tokens, leaving the cache as it is."""
+        hit = 0
+        for h in self.chain(ids):
+            if h not in self.blocks:
+                break
+            hit += 1
+        return max(0, min(hit * self.block_size, (len(ids) - 1) // self.block_size * self.block_size))
+
     def admit(self, ids: list[int]) -> int:
         """Look the prompt up and cache it; returns the cached tokens."""
         chain = self.chain(ids)

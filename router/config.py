@@ -66,8 +66,8 @@ class ReplicaConfig(_Model):
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="pipeline stages (nodes) of the replica")
     max_num_seqs: int = Field(256, ge=1, description="vLLM's --max-num-seqs: the most requests kept in flight on it")
     max_num_batched_tokens: int = Field(2048, ge=1, description="vLLM's --max-num-batched-tokens: prompt tokens one "
-                                        "scheduler step takes; queued prefill that fits in a step beside a new "
-                                        "request does not delay it")
+                                        "scheduler step takes; queued prefill beyond a step delays a new request "
+                                        "at the prefill rate, within it by what its tokens add to a step")
     speed: float | None = Field(None, gt=0, description="relative throughput; default: device_speed(platform) x TP x PP")
     api_key: SecretStr | None = Field(None, description="bearer token sent to this replica")
     block_size: int | None = Field(None, ge=1, description="KV block size in tokens; default: from the replica's "

@@ -27,15 +27,12 @@ from .events import (EventBus, ReplicaAdded, ReplicaModels, ReplicaReady, Replic
                      ReplicaUnready)
 from .load import LoadTable
 from .metrics import Metrics
+from .prefill import PrefillEstimate
 from .replica_metrics import ReplicaStats, parse_metrics
 from .upstream import UpstreamPool
 from .view import ReplicaView, with_load
 
 log = logging.getLogger("kvroute.pool")
-
-_PREFILL_MIN_REQUESTS = 4  # a prefill-rate sample spans at least this many requests ...
-_PREFILL_MIN_TOKENS = 512  # ... and this many uncached prompt tokens
-_PREFILL_SMOOTHING = 0.3  # weight of a new sample in the running figure
 
 _DEFAULT_BLOCKS = IndexConfig().default_blocks
 
@@ -58,7 +55,7 @@ class Replica:
         self.stats: ReplicaStats | None = None
         self.stats_at: float | None = None
         self.external_load = 0.0
-        self.learned_prefill_rate: float | None = None  # prompt tokens/s from its own metrics
+        self.prefill = PrefillEstimate()  # its prefill speed, from its own metrics
         self.prefill_base: ReplicaStats | None = None  # the scrape the next prefill-rate sample counts from
         self.fails = 0
         self.successes = 0
@@ -89,6 +86,7 @@ class Replica:
             name=self.name, ready=self.ready, models=self.models,
             max_num_seqs=cfg.max_num_seqs, capacity=cfg.capacity, block_size=self.block_size,
             kv_blocks=self.kv_blocks, prefill_rate=self.prefill_rate,
+            prefill_marginal_s=min(self.prefill.marginal_s or 0.0, 1.0 / self.prefill_rate),
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             kv_usage=self.stats.kv_usage if self.stats is not None else 0.0, external_load=self.external_load)
 
@@ -123,15 +121,15 @@ class Replica:
     @property
     def prefill_rate(self) -> float:
         """Prompt tokens per second: as configured, else as its metrics show, else the platform's guess."""
-        if self.config.prefill_tokens_per_s is None and self.learned_prefill_rate is not None:
-            return self.learned_prefill_rate
+        if self.config.prefill_tokens_per_s is None and self.prefill.rate is not None:
+            return self.prefill.rate
         return self.config.prefill_rate
 
     @property
     def prefill_rate_source(self) -> str:
         if self.config.prefill_tokens_per_s is not None:
             return "configured"
-        return "learned from its metrics" if self.learned_prefill_rate is not None else "platform guess"
+        return "learned from its metrics" if self.prefill.rate is not None else "platform guess"
 
     def describe(self) -> dict[str, Any]:
         s = self.stats
@@ -151,6 +149,8 @@ class Replica:
             "num_gpu_blocks": self.kv_blocks,
             "prefill_tokens_per_s": self.prefill_rate,
             "prefill_rate_source": self.prefill_rate_source,
+            # seconds one more queued prompt token adds to a step shared with a new request (None: not told yet)
+            "prefill_s_per_token_in_step": self.prefill.marginal_s,
             "engine": None if s is None else {
                 "running": s.running,
                 "waiting": s.waiting,
@@ -460,11 +460,9 @@ class ReplicaPool:
         self.metrics.replica_kv_usage.labels(r.name).set(stats.kv_usage)
 
     def _learn_prefill_rate(self, r: Replica, stats: ReplicaStats, restarted: bool) -> None:
-        """Prompt tokens per second of prefill, from the replica's counters since an earlier scrape: uncached
-        prompt tokens (prompt tokens less prefix-cache hits) over the seconds its requests spent in prefill.
-        Requests prefilled in one step each count that step, so a busy replica looks slower than it is: a
-        cache miss is then priced higher, which keeps prompts with their cache. A running average of samples
-        of at least ``_PREFILL_MIN_REQUESTS`` requests and ``_PREFILL_MIN_TOKENS`` tokens."""
+        """Feed the replica's prefill estimate with what its counters moved by since an earlier scrape:
+        requests, uncached prompt tokens (prompt tokens less prefix-cache hits) and seconds in prefill.
+        A scrape with too little in it keeps counting from the same base (see ``router.prefill``)."""
         if "prefill_seconds" not in stats.seen or "prompt_tokens" not in stats.seen:
             return
         base = r.prefill_base
@@ -477,17 +475,18 @@ class ReplicaPool:
         if requests < 0 or seconds < 0:  # counters went back: a restart the start time did not show
             r.prefill_base = stats
             return
-        if requests < _PREFILL_MIN_REQUESTS or uncached < _PREFILL_MIN_TOKENS or seconds <= 0:
-            return  # keep counting from the same base
+        first, step_unknown = r.prefill.rate is None, r.prefill.marginal_s is None
+        if not r.prefill.add(requests, uncached, seconds):
+            return
         r.prefill_base = stats
-        sample = uncached / seconds
-        first = r.learned_prefill_rate is None
-        r.learned_prefill_rate = sample if first else (
-            (1 - _PREFILL_SMOOTHING) * r.learned_prefill_rate + _PREFILL_SMOOTHING * sample)  # type: ignore[operator]
         if first and r.config.prefill_tokens_per_s is None:
             log.info("replica %s: prefill at %.0f prompt tokens/s by its metrics (the %s platform's guess was %.0f; "
-                     "replicas[].prefill_tokens_per_s sets it)", r.name, sample, r.config.platform,
+                     "replicas[].prefill_tokens_per_s sets it)", r.name, r.prefill.rate, r.config.platform,
                      r.config.prefill_rate, extra={"replica": r.name})
+        if step_unknown and r.prefill.marginal_s is not None:
+            log.info("replica %s: a prompt token adds %.1f us to a scheduler step, beside a fixed %.1f ms per request, "
+                     "by its metrics", r.name, r.prefill.marginal_s * 1e6, (r.prefill.fixed_s or 0.0) * 1e3,
+                     extra={"replica": r.name})
 
     @staticmethod
     def _restarted(prev: ReplicaStats, cur: ReplicaStats) -> bool:

@@ -20,6 +20,7 @@ class ReplicaView(NamedTuple):
     block_size: int = 16
     kv_blocks: int = 16384
     prefill_rate: float = 8000.0  # prompt tokens per second
+    prefill_marginal_s: float = 0.0  # seconds one more prompt token adds to a scheduler step (0: not known)
     max_num_batched_tokens: int = 2048
     kv_usage: float = 0.0  # at the last scrape
     external_load: float = 0.0  # other clients' requests at the last scrape

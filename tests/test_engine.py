@@ -257,6 +257,21 @@ def test_a_router_learns_a_replicas_prefill_rate_from_its_metrics(cluster):
     assert "prefill at" in rt.log_tail(4000)
 
 
+def test_a_router_learns_what_each_queued_prompt_token_adds_to_a_replicas_step(cluster):
+    # a step takes 20 ms plus 50 us per prompt token: prompts of different lengths between scrapes tell
+    # the two apart (the rate alone, tokens over seconds, mixes them)
+    sim = cluster.sim("--engine", "--step-base-ms", "20", "--step-prefill-us-per-token", "50")
+    rt = cluster.router([sim.url], "--set", "health.metrics_interval_s=0.5")
+    with httpx.Client(timeout=10) as c:
+        for i, words in enumerate([1000, 150, 2000, 400, 1000, 150]):
+            for j in range(6):
+                c.post(rt.url + "/v1/completions", json={"model": "tiny", "max_tokens": 1,
+                                                        "prompt": f"request {i}.{j} " + "word " * words})
+            time.sleep(1.2)  # at least one scrape between sizes
+    per_token = replicas_view(rt)[sim.url]["prefill_s_per_token_in_step"]
+    assert per_token is not None and 35e-6 < per_token < 70e-6, per_token
+
+
 def test_a_configured_prefill_rate_is_kept_whatever_the_metrics_show(cluster):
     sim = cluster.sim("--engine", "--step-base-ms", "1", "--step-prefill-us-per-token", "50")
     rt = cluster.router([], config={"replicas": [{"url": sim.url, "prefill_tokens_per_s": 5000}]})

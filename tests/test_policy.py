@@ -104,22 +104,68 @@ def test_eviction_cost_counts_only_what_does_not_fit():
     assert with_evict - without == pytest.approx(0.224)
 
 
-def test_queued_prefill_delays_only_what_does_not_fit_in_one_scheduler_step():
-    idle = cost(view("a", prefill_tokens_per_s=1000))
-    # 1000 pending tokens fit beside 1024 new ones in one 2048-token step
-    assert cost(view("a", prefill_tokens_per_s=1000, pending=1000)) == pytest.approx(idle)
-    # 3000 pending: 1976 tokens over the step wait for the next steps
-    assert cost(view("a", prefill_tokens_per_s=1000, pending=3000)) - idle == pytest.approx(1.976)
+def test_queued_prefill_beyond_the_step_waits_at_the_prefill_rate():
+    idle = cost(view("a", prefill_tokens_per_s=1000), occupancy_weight_s=0)
+    # 3000 pending beside 1024 new tokens in a 2048-token step: 1976 tokens wait for the steps before
+    assert cost(view("a", prefill_tokens_per_s=1000, pending=3000), occupancy_weight_s=0) - idle == pytest.approx(1.976)
+
+
+def test_queued_prefill_that_shares_the_step_costs_what_its_tokens_add_to_a_step():
+    idle = cost(view("a", prefill_tokens_per_s=1000), occupancy_weight_s=0)
+    # 1000 pending tokens fit beside 1024 new ones in one 2048-token step: free while the step's
+    # per-token part is not known, 0.5 ms each once it is
+    assert cost(view("a", prefill_tokens_per_s=1000, pending=1000), occupancy_weight_s=0) == pytest.approx(idle)
+    shared = view("a", prefill_tokens_per_s=1000, pending=1000)._replace(prefill_marginal_s=0.5e-3)
+    assert cost(shared, occupancy_weight_s=0) - idle == pytest.approx(0.5)
+
+
+def test_blocks_of_prompts_still_in_prefill_are_in_use_not_room():
+    # the index holds half of each cache; on "busy" 16 blocks more are taken by a prompt in prefill,
+    # which the index shows only once computed: a new prompt there evicts them, on "idle" it does not
+    idle = view("idle", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=32)
+    busy = view("busy", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=32, pending=256)
+    r = req(prompt=257, occupancy={"idle": 0.5, "busy": 0.5})  # 16 whole blocks to store
+    scorer = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0))
+    assert scorer.cost(r, busy) - scorer.cost(r, idle) == pytest.approx(0.256)  # evicts 256 tokens
 
 
 # -- pickers ---------------------------------------------------------------------------------
 
 
-def test_ties_are_broken_at_random_not_by_list_order():
+def test_tied_replicas_take_turns():
     views = [view(n) for n in "abc"]
     picker = MaxScorePicker(rng=random.Random(7))
     counts = collections.Counter(picker(req(), [(v, 1.0) for v in views])[0].name for _ in range(300))
-    assert set(counts) == {"a", "b", "c"} and min(counts.values()) > 60
+    assert counts == {"a": 100, "b": 100, "c": 100}
+
+
+def test_the_first_of_tied_replicas_is_not_the_first_in_the_list():
+    views = [view(n) for n in "abc"]
+    firsts = {MaxScorePicker(rng=random.Random(seed))(req(), [(v, 1.0) for v in views])[0].name for seed in range(30)}
+    assert firsts == {"a", "b", "c"}
+
+
+def test_a_better_score_wins_over_taking_turns():
+    views = [view(n) for n in "ab"]
+    picker = MaxScorePicker()
+    assert {picker(req(), [(views[0], 0.5), (views[1], 0.6)])[0].name for _ in range(5)} == {"b"}
+
+
+def test_scores_within_the_tie_tolerance_take_turns():
+    from router.policy import MaxScoreParams
+    views = [view(n) for n in "abc"]
+    picker = MaxScorePicker(MaxScoreParams(tie_tolerance=0.01))
+    scored = [(views[0], 1.0), (views[1], 0.995), (views[2], 0.98)]
+    assert collections.Counter(picker(req(), scored)[0].name for _ in range(10)) == {"a": 5, "b": 5}
+
+
+def test_cache_aware_sends_cold_prompts_in_turn_whatever_a_few_blocks_of_occupancy_say():
+    views = [view("a", prefill_tokens_per_s=1000), view("b", prefill_tokens_per_s=1000)]
+    policy = build_policy("cache-aware")
+    cold = req(prompt=1024, occupancy={"a": 0.500, "b": 0.505})  # 0.5 ms apart
+    assert collections.Counter(policy.choose(cold, views)[0].name for _ in range(10)) == {"a": 5, "b": 5}
+    cached = req(prompt=1024, cached={"b": 512}, occupancy={"a": 0.500, "b": 0.505})
+    assert {policy.choose(cached, views)[0].name for _ in range(4)} == {"b"}
 
 
 def test_round_robin_takes_turns_in_name_order():
