@@ -272,6 +272,21 @@ def test_a_router_learns_what_each_queued_prompt_token_adds_to_a_replicas_step(c
     assert per_token is not None and 35e-6 < per_token < 70e-6, per_token
 
 
+def test_replicas_alike_route_by_one_prefill_rate_learned_from_all_of_them(cluster):
+    # the same engine twice: what each one's samples say differs by what it served, the speed does not
+    sims = [cluster.sim("--engine", "--step-base-ms", "1", "--step-prefill-us-per-token", "50") for _ in range(2)]
+    rt = cluster.router([s.url for s in sims])
+    with httpx.Client(timeout=10) as c:
+        for i in range(16):
+            c.post(sims[i % 2].url + "/v1/completions", json={"model": "tiny", "max_tokens": 1,
+                                                             "prompt": f"request {i} " + "word " * (200 + 800 * (i % 2))})
+    wait_until(lambda: all(v["prefill_tokens_per_s_own"] for v in replicas_view(rt).values()), timeout=10)
+    views = replicas_view(rt)
+    own = [views[s.url]["prefill_tokens_per_s_own"] for s in sims]
+    used = [views[s.url]["prefill_tokens_per_s"] for s in sims]
+    assert own[0] != own[1] and used == [pytest.approx(sum(own) / 2)] * 2
+
+
 def test_a_configured_prefill_rate_is_kept_whatever_the_metrics_show(cluster):
     sim = cluster.sim("--engine", "--step-base-ms", "1", "--step-prefill-us-per-token", "50")
     rt = cluster.router([], config={"replicas": [{"url": sim.url, "prefill_tokens_per_s": 5000}]})

@@ -35,14 +35,11 @@ def test_a_sample_with_too_little_in_it_is_not_taken():
     assert (est.rate, est.samples) == (None, 0)
 
 
-def test_the_rate_is_the_best_of_the_recent_samples():
+def test_the_rate_is_a_running_average_of_the_samples():
     est = PrefillEstimate()
-    est.add(4, 2000, 1.0)  # prompts prefilled alone
-    for _ in range(7):
-        est.add(4, 1000, 1.0)  # prompts sharing steps: each counts the whole step
-    assert est.rate == 2000
-    est.add(4, 1000, 1.0)  # eight samples later the best is forgotten
-    assert est.rate == 1000
+    est.add(4, 1000, 1.0)
+    est.add(4, 2000, 1.0)
+    assert est.rate == pytest.approx(0.7 * 1000 + 0.3 * 2000)
 
 
 def test_without_a_fixed_part_every_second_is_the_tokens():
