@@ -206,7 +206,9 @@ def test_precise_index_predicts_vllms_cached_tokens_exactly_while_a_client_bypas
         print(f"precise: {exact}\napproximate: {guessed}\ncached tokens {hits}, approximate wrong {len(wrong)}")
         assert hits[0] > 0
         assert [p for p, _ in exact] == [a for _, a in exact]
-        assert wrong and hits[1] <= hits[0], (hits, guessed)
+        # without the events some predictions are wrong; which run hits more on 40 requests depends on
+        # placement (13,568 / 13,824 and 13,696 / 13,312 approximate / precise in two runs), not asserted
+        assert wrong, (hits, guessed)
     finally:
         c.stop_all()
 
