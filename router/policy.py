@@ -235,7 +235,7 @@ class PredictedTTFTScorer(Scorer):
             # what does not fit in the free part of its cache pushes out cached prefixes, which their
             # owners will have to prefill again: a small shared prefix should not pull new prompts onto
             # a full replica while others have room
-            free = (1.0 - occupancy) * view.kv_blocks * view.block_size
+            free = (1.0 - occupancy) * cache_tokens
             cost += cfg.evict_weight * max(0.0, stored - free) / view.prefill_rate
         cost += cfg.load_weight_s * view.load / view.max_num_seqs
         if view.kv_usage > cfg.kv_threshold:

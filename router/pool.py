@@ -471,10 +471,10 @@ class ReplicaPool:
         what each happened to serve (a sample taken while prompts shared steps shows a slower replica).
         Taken one by one, a replica that looked faster drew every new prompt: on the evicting cluster
         benchmark costs of idle twins parted by up to 40%, on real vLLM CPU replicas by up to 60 times."""
-        cfg = r.config
-        key = (cfg.platform, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, r.models)
-        alike = [x for x in self.replicas.values() if (x.config.platform, x.config.tensor_parallel_size,
-                 x.config.pipeline_parallel_size, x.models) == key]
+        def kind(x: Replica) -> tuple[str, int, int, frozenset[str]]:
+            return x.config.platform, x.config.tensor_parallel_size, x.config.pipeline_parallel_size, x.models
+
+        alike = [x for x in self.replicas.values() if kind(x) == kind(r)]
         rates = [x.prefill.rate for x in alike if x.prefill.rate is not None]
         steps = [x.prefill.marginal_s for x in alike if x.prefill.marginal_s is not None]
         shared = (sum(rates) / len(rates) if rates else None, sum(steps) / len(steps) if steps else None)
