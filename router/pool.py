@@ -132,7 +132,10 @@ class Replica:
     def prefill_rate_source(self) -> str:
         if self.config.prefill_tokens_per_s is not None:
             return "configured"
-        return "learned from its metrics" if self.alike[0] is not None else "platform guess"
+        if self.alike[0] is None:
+            return "platform guess"
+        # replicas alike route by one figure; one without samples of its own yet takes theirs
+        return "learned from its metrics" if self.prefill.rate is not None else "learned from replicas alike"
 
     def describe(self) -> dict[str, Any]:
         s = self.stats

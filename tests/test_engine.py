@@ -287,6 +287,20 @@ def test_replicas_alike_route_by_one_prefill_rate_learned_from_all_of_them(clust
     assert own[0] != own[1] and used == [pytest.approx(sum(own) / 2)] * 2
 
 
+def test_a_replica_without_samples_of_its_own_routes_by_its_alike_replicas_rate_and_says_so(cluster):
+    sims = [cluster.sim("--engine", "--step-base-ms", "1", "--step-prefill-us-per-token", "50") for _ in range(2)]
+    rt = cluster.router([s.url for s in sims])
+    with httpx.Client(timeout=10) as c:
+        for i in range(8):
+            c.post(sims[0].url + "/v1/completions", json={"model": "tiny", "max_tokens": 1,
+                                                         "prompt": f"request {i} " + "word " * 1000})
+    wait_until(lambda: replicas_view(rt)[sims[0].url]["prefill_tokens_per_s_own"], timeout=10)
+    served, idle = (replicas_view(rt)[s.url] for s in sims)
+    assert (idle["prefill_tokens_per_s_own"], idle["prefill_rate_source"]) == (None, "learned from replicas alike")
+    assert idle["prefill_tokens_per_s"] == served["prefill_tokens_per_s_own"]
+    assert served["prefill_rate_source"] == "learned from its metrics"
+
+
 def test_a_configured_prefill_rate_is_kept_whatever_the_metrics_show(cluster):
     sim = cluster.sim("--engine", "--step-base-ms", "1", "--step-prefill-us-per-token", "50")
     rt = cluster.router([], config={"replicas": [{"url": sim.url, "prefill_tokens_per_s": 5000}]})
