@@ -216,7 +216,11 @@ class KvEventsConfig(_Model):
 class CacheAwareConfig(_Model):
     """Knobs of the cache-aware cost (see the README's routing section)."""
 
-    load_weight_s: float = Field(1.0, ge=0, description="seconds of cost for a replica at full capacity (load term)")
+    load_weight_tokens: float = Field(32_000, ge=0, description="cost of a replica at full capacity (load term), "
+                                      "as the seconds it takes to prefill this many prompt tokens: weighed in "
+                                      "the same unit as the cache hits it competes with, on any platform")
+    load_weight_s: float | None = Field(None, ge=0, description="seconds of cost for a replica at full capacity, "
+                                        "whatever its prefill rate (instead of load_weight_tokens)")
     kv_weight_s: float = Field(0.5, ge=0, description="seconds of cost for a replica whose KV cache is full")
     kv_threshold: float = Field(0.9, ge=0, lt=1, description="KV cache usage below which the KV term is 0; it "
                                 "grows linearly to kv_weight_s at full usage")

@@ -202,7 +202,7 @@ class PredictedTTFTScorer(Scorer):
     cost (seconds) = (uncached prompt tokens + queued prefill that will not fit in its step) / prefill rate
                    + queued prefill that fits in its step x seconds a token adds to a step
                    + evict_weight x (uncached whole blocks beyond the free part of its cache) / prefill rate
-                   + load_weight_s x load / max_num_seqs
+                   + load_weight_tokens / prefill rate (or load_weight_s) x load / max_num_seqs
                    + kv_weight_s x (KV cache usage above kv_threshold, scaled to 0..1)
                    + occupancy_weight_s x share of its KV blocks the index holds (if the prompt adds a block)
                    - session_bonus_s if it served this session last
@@ -237,7 +237,11 @@ class PredictedTTFTScorer(Scorer):
             # a full replica while others have room
             free = (1.0 - occupancy) * cache_tokens
             cost += cfg.evict_weight * max(0.0, stored - free) / view.prefill_rate
-        cost += cfg.load_weight_s * view.load / view.max_num_seqs
+        # a queue weighs against cache hits in one unit: seconds of this replica's prefill. In fixed
+        # seconds it was too light where prefill is slow (a 70B model on Gaudi 2: a 1,024-token system prompt
+        # is worth 0.13 s, and conversations piled on the replica that held it) or too heavy where it is fast
+        full = cfg.load_weight_s if cfg.load_weight_s is not None else cfg.load_weight_tokens / view.prefill_rate
+        cost += full * view.load / view.max_num_seqs
         if view.kv_usage > cfg.kv_threshold:
             # only a nearly full cache delays a new request (vLLM queues or preempts then); below
             # that, a scrape up to an interval old would only steer prefixes away from their cache

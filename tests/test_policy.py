@@ -104,6 +104,15 @@ def test_eviction_cost_counts_only_what_does_not_fit():
     assert with_evict - without == pytest.approx(0.224)
 
 
+def test_requests_in_flight_cost_the_time_the_replica_takes_to_prefill_load_weight_tokens():
+    def load_cost(rate, **cfg):
+        return (cost(view("a", prefill_tokens_per_s=rate, max_num_seqs=256, inflight=64), **cfg)
+                - cost(view("a", prefill_tokens_per_s=rate, max_num_seqs=256), **cfg))
+    # a quarter of its capacity in flight: a quarter of 32,000 tokens' prefill
+    assert (load_cost(8000), load_cost(32000)) == (pytest.approx(1.0), pytest.approx(0.25))
+    assert load_cost(8000, load_weight_s=2.0) == load_cost(32000, load_weight_s=2.0) == pytest.approx(0.5)
+
+
 def test_queued_prefill_beyond_the_step_waits_at_the_prefill_rate():
     idle = cost(view("a", prefill_tokens_per_s=1000), occupancy_weight_s=0)
     # 3000 pending beside 1024 new tokens in a 2048-token step: 1976 tokens wait for the steps before
