@@ -229,8 +229,13 @@ class CacheAwareConfig(_Model):
                                 "uncached tokens that do not fit in the free part of a replica's cache (as the "
                                 "index sees it) count this many times more, since the prefixes they push out will "
                                 "be recomputed later; 0 turns it off")
-    occupancy_weight_s: float = Field(0.1, ge=0, description="seconds of cost for a replica whose cache the index "
-                                      "sees full: new prefixes go where they evict least")
+    occupancy_weight_tokens: float = Field(256, ge=0, description="cost of a replica whose cache the index sees "
+                                           "full, as the seconds it takes to prefill this many prompt tokens: new "
+                                           "prefixes go where they evict least, and a cached prefix longer than "
+                                           "this outweighs it on any platform")
+    occupancy_weight_s: float | None = Field(None, ge=0, description="seconds of cost for a replica whose cache the "
+                                             "index sees full, whatever its prefill rate (instead of "
+                                             "occupancy_weight_tokens)")
 
 
 class SessionConfig(_Model):

@@ -204,7 +204,8 @@ class PredictedTTFTScorer(Scorer):
                    + evict_weight x (uncached whole blocks beyond the free part of its cache) / prefill rate
                    + load_weight_tokens / prefill rate (or load_weight_s) x load / max_num_seqs
                    + kv_weight_s x (KV cache usage above kv_threshold, scaled to 0..1)
-                   + occupancy_weight_s x share of its KV blocks the index holds (if the prompt adds a block)
+                   + occupancy_weight_tokens / prefill rate (or occupancy_weight_s)
+                     x share of its KV blocks the index holds (if the prompt adds a block)
                    - session_bonus_s if it served this session last
     score = 1 / (1 + cost). Uncached tokens come from the prefix index (``req.cached``). Its
     parameters default to the ``cache_aware`` section of the configuration.
@@ -248,7 +249,11 @@ class PredictedTTFTScorer(Scorer):
             over = (view.kv_usage - cfg.kv_threshold) / (1.0 - cfg.kv_threshold)
             cost += cfg.kv_weight_s * min(1.0, over)
         if stored:  # a prompt that adds no block to the cache evicts nothing
-            cost += cfg.occupancy_weight_s * occupancy
+            # in the same unit as the hits too: as a fixed 0.1 s it was 3,000 tokens' prefill on replicas that
+            # prefill 30,000 tokens/s, and moved conversations off their cache as it filled
+            occ_full = (cfg.occupancy_weight_s if cfg.occupancy_weight_s is not None
+                        else cfg.occupancy_weight_tokens / view.prefill_rate)
+            cost += occ_full * occupancy
         if req.session_replica is not None and req.session_replica == view.name:
             cost -= cfg.session_bonus_s
         return max(0.0, cost)

@@ -113,6 +113,27 @@ def test_requests_in_flight_cost_the_time_the_replica_takes_to_prefill_load_weig
     assert load_cost(8000, load_weight_s=2.0) == load_cost(32000, load_weight_s=2.0) == pytest.approx(0.5)
 
 
+def test_a_full_cache_costs_the_time_the_replica_takes_to_prefill_occupancy_weight_tokens():
+    def occupancy_cost(rate, **cfg):
+        def one(occupancy):
+            v = view("a", prefill_tokens_per_s=rate)
+            r = req(prompt=1024, occupancy={"a": occupancy})
+            return PredictedTTFTScorer(CacheAwareConfig(**cfg)).cost(r, v)
+        return one(0.5) - one(0.0)
+    # half its cache held: half of 256 tokens' prefill
+    assert (occupancy_cost(8000), occupancy_cost(32000)) == (pytest.approx(0.016), pytest.approx(0.004))
+    assert occupancy_cost(8000, occupancy_weight_s=0.2) == occupancy_cost(32000, occupancy_weight_s=0.2) \
+        == pytest.approx(0.1)
+
+
+def test_a_cached_history_outweighs_a_fuller_cache_on_a_fast_replica():
+    # a conversation's 1,600-token history, 1,280 of it cached on a replica whose cache is nearly full, against
+    # an empty replica, both prefilling 30,000 tokens/s: it stays (as a fixed 0.1 s the full cache moved it)
+    views = [view("full", prefill_tokens_per_s=30000), view("empty", prefill_tokens_per_s=30000)]
+    turn = req(prompt=1600, cached={"full": 1280}, occupancy={"full": 0.95, "empty": 0.05})
+    assert build_policy("cache-aware").choose(turn, views)[0].name == "full"
+
+
 def test_queued_prefill_beyond_the_step_waits_at_the_prefill_rate():
     idle = cost(view("a", prefill_tokens_per_s=1000), occupancy_weight_s=0)
     # 3000 pending beside 1024 new tokens in a 2048-token step: 1976 tokens wait for the steps before
@@ -171,7 +192,7 @@ def test_scores_within_the_tie_tolerance_take_turns():
 def test_cache_aware_sends_cold_prompts_in_turn_whatever_a_few_blocks_of_occupancy_say():
     views = [view("a", prefill_tokens_per_s=1000), view("b", prefill_tokens_per_s=1000)]
     policy = build_policy("cache-aware")
-    cold = req(prompt=1024, occupancy={"a": 0.500, "b": 0.505})  # 0.5 ms apart
+    cold = req(prompt=1024, occupancy={"a": 0.500, "b": 0.505})  # 1.3 ms apart (a full cache: 256 tokens, 0.256 s)
     assert collections.Counter(policy.choose(cold, views)[0].name for _ in range(10)) == {"a": 5, "b": 5}
     cached = req(prompt=1024, cached={"b": 512}, occupancy={"a": 0.500, "b": 0.505})
     assert {policy.choose(cached, views)[0].name for _ in range(4)} == {"b"}
