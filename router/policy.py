@@ -195,6 +195,11 @@ class PrefixScorer(Scorer):
         return req.cached.get(view.name, 0) / req.prompt_tokens if req.prompt_tokens else 0.0
 
 
+def _seconds(fixed_s: float | None, tokens: float, view: ReplicaView) -> float:
+    """A weight set in fixed seconds, else the time ``view`` takes to prefill ``tokens`` prompt tokens."""
+    return fixed_s if fixed_s is not None else tokens / view.prefill_rate
+
+
 @register_scorer("predicted-ttft")
 class PredictedTTFTScorer(Scorer):
     """Prefers the replica expected to produce the first token soonest.
@@ -241,8 +246,7 @@ class PredictedTTFTScorer(Scorer):
         # a queue weighs against cache hits in one unit: seconds of this replica's prefill. In fixed
         # seconds it was too light where prefill is slow (a 70B model on Gaudi 2: a 1,024-token system prompt
         # is worth 0.13 s, and conversations piled on the replica that held it) or too heavy where it is fast
-        full = cfg.load_weight_s if cfg.load_weight_s is not None else cfg.load_weight_tokens / view.prefill_rate
-        cost += full * view.load / view.max_num_seqs
+        cost += _seconds(cfg.load_weight_s, cfg.load_weight_tokens, view) * view.load / view.max_num_seqs
         if view.kv_usage > cfg.kv_threshold:
             # only a nearly full cache delays a new request (vLLM queues or preempts then); below
             # that, a scrape up to an interval old would only steer prefixes away from their cache
@@ -251,9 +255,7 @@ class PredictedTTFTScorer(Scorer):
         if stored:  # a prompt that adds no block to the cache evicts nothing
             # in the same unit as the hits too: as a fixed 0.1 s it was 3,000 tokens' prefill on replicas that
             # prefill 30,000 tokens/s, and moved conversations off their cache as it filled
-            occ_full = (cfg.occupancy_weight_s if cfg.occupancy_weight_s is not None
-                        else cfg.occupancy_weight_tokens / view.prefill_rate)
-            cost += occ_full * occupancy
+            cost += _seconds(cfg.occupancy_weight_s, cfg.occupancy_weight_tokens, view) * occupancy
         if req.session_replica is not None and req.session_replica == view.name:
             cost -= cfg.session_bonus_s
         return max(0.0, cost)
