@@ -25,7 +25,8 @@ process and in Redis shared by two router processes (clients alternate between t
 with the approximate index (``kv_events.enabled: false``: the router's own decisions), and
 cache-aware in byte mode (``prefix.tokenizer: none``, bytes per token learned from the replicas'
 answers; events cannot be matched to bytes, so it is approximate too). Between runs every replica's
-prefix cache is reset (``/reset_prefix_cache``) and the routers are new.
+prefix cache is reset (``/reset_prefix_cache``, then a one-token prompt so that vLLM publishes the reset
+before the next routers start) and the routers are new.
 
 The hit rate is delta(``vllm:prefix_cache_hits_total``) / delta(``vllm:prefix_cache_queries_total``)
 summed over the replicas (every request, bypassing or not). Predictions are compared, request by
@@ -276,8 +277,15 @@ def counters(replicas: list[str]) -> dict[str, tuple[float, float]]:
 
 
 def reset(replicas: list[str]) -> None:
+    """Empty every replica's prefix cache, and make it say so on its KV-event stream.
+
+    vLLM queues the ``AllBlocksCleared`` of a reset until its next engine step; a router started before
+    that step replays the blocks of the previous run and predicts hits that are gone. A one-token prompt
+    (no full block, so nothing cached) runs that step."""
     for url in replicas:
         httpx.post(url + "/reset_prefix_cache", timeout=30).raise_for_status()
+        httpx.post(url + "/v1/completions", json={"model": vllm_cluster.MODEL_NAME, "prompt": "a", "max_tokens": 1},
+                   timeout=60).raise_for_status()
 
 
 async def run_policy(name: str, args: list[str], routers_n: int, replicas: list[str], convs: list[Conversation],
