@@ -225,7 +225,9 @@ async def drive(routers: list[str], conversations: list[Conversation], clients: 
     direct = random.Random(seed + 1)
     sent: list[Sent] = []
     rounds = max(len(c.turns) for c in conversations)
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=clients * 2)) as http:
+    # idle connections are dropped before vLLM closes them (5 s): a request sent on one as it closes fails
+    limits = httpx.Limits(max_connections=clients * 2, keepalive_expiry=2.0)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as http:
         for t in range(rounds):
             queue = deque(c for c in range(len(conversations)) if t < len(conversations[c].turns))
             if t:
