@@ -155,34 +155,42 @@ class ProxyEndpoint:
         request_id = request_id_from(headers)
         try:
             self.gw.auth.check_client(headers)
-            body = await self._read_body(headers, receive)
-            payload = self._parse(body)
-            model = payload.get("model")
-            if model is None:
-                model = self.gw.single_model()
-                if model is None:
-                    raise errors.bad_request("you must provide a model parameter", "model", "missing_required_field")
-            elif not isinstance(model, str) or not model:
-                raise errors.bad_request("model must be a non-empty string", "model")
+            body, payload, route = await self.read(headers, receive, request_id)
         except GatewayError as e:
             self.gw.metrics.requests.labels("", "none", str(e.status)).inc()
             log.info("%s rejected: %d %s", self.path, e.status, e.code,
                      extra={"request_id": request_id, "status": e.status, "outcome": e.code})
             await send_error(send, e, request_id)
             return
-        session = None
-        for k, v in headers:
-            if k == b"x-session-id" and v:
-                session = session_digest(v)
-        route = RouteRequest(model=model, request_id=request_id, endpoint=self.path, session_id=session,
-                             payload=payload, body_size=len(body))
         stream = _streams(payload.get("stream"))
+        model = route.model
         call = Call(
             path=self.path, body=body, model=model, stream=stream,
             request_id=request_id, headers=client_headers(headers), started=started, route=route,
             resume=transcript_for(self.path, payload) if stream and self.failover else None,
         )
         await self.gw.forwarder(call, receive, send)
+
+    async def read(self, headers: list[tuple[bytes, bytes]], receive: Any,
+                   request_id: str) -> tuple[bytes, dict[str, Any], RouteRequest]:
+        """The request's body, parsed and checked, and what routing knows of it. Raises
+        :class:`~router.errors.GatewayError` (400, 408, 413) for a body that cannot be routed."""
+        body = await self._read_body(headers, receive)
+        payload = self._parse(body)
+        model = payload.get("model")
+        if model is None:
+            model = self.gw.single_model()
+            if model is None:
+                raise errors.bad_request("you must provide a model parameter", "model", "missing_required_field")
+        elif not isinstance(model, str) or not model:
+            raise errors.bad_request("model must be a non-empty string", "model")
+        session = None
+        for k, v in headers:
+            if k == b"x-session-id" and v:
+                session = session_digest(v)
+        route = RouteRequest(model=model, request_id=request_id, endpoint=self.path, session_id=session,
+                             payload=payload, body_size=len(body))
+        return body, payload, route
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]], receive: Any) -> bytes:
         for k, v in headers:
@@ -366,6 +374,20 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
         kind, code = {400: ("invalid_request_error", "invalid_replica"), 404: ("not_found_error", "not_found"),
                       409: ("invalid_request_error", "conflict")}.get(e.status, ("service_unavailable", "unavailable"))
         return GatewayError(e.status, str(e), kind, code)
+
+    @app.post("/admin/explain/{path:path}")
+    async def admin_explain(path: str, request: Request) -> Response:
+        """Where a request would go and why, without sending it: the body a client would POST to ``/{path}``."""
+        _admin(request)
+        endpoint = endpoints.get("/" + path)
+        if endpoint is None:
+            raise errors.not_found(f"/{path} is not routed; explain one of: {', '.join(endpoints)}")
+        headers = request.scope["headers"]
+        _, _, route = await endpoint.read(headers, request.receive, request_id_from(headers))
+        await gw.router.prepare(route)
+        return JSONResponse({"model": route.model, "prompt_tokens": route.prompt_tokens,
+                             "index_fallback": route.index_fallback, "session_replica": route.session_replica,
+                             **gw.policy.explain(route, gw.admission.views())})
 
     @app.post("/admin/replicas")
     async def admin_register(request: Request) -> Response:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import random
-from typing import Any, Callable, ClassVar, Literal, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Literal, NamedTuple, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -71,10 +71,19 @@ class Scorer(Stage):
         """A rating in [0, 1]; higher is better."""
         raise NotImplementedError
 
+    def explain(self, req: RouteRequest, view: ReplicaView) -> dict[str, float] | None:
+        """What the rating is made of, for an operator asking why (``POST /admin/explain/...``); None: nothing
+        beyond the rating."""
+        return None
+
 
 class Picker(Stage):
     def __call__(self, req: RouteRequest, scored: list[Scored]) -> Scored:
         raise NotImplementedError
+
+    def tied(self, scored: list[Scored]) -> list[Scored]:
+        """The candidates this picker counts as best (it takes one of them)."""
+        return _best(scored)
 
 
 FILTERS: dict[str, type[Filter]] = {}
@@ -200,6 +209,18 @@ def _seconds(fixed_s: float | None, tokens: float, view: ReplicaView) -> float:
     return fixed_s if fixed_s is not None else tokens / view.prefill_rate
 
 
+class CostTerms(NamedTuple):
+    """The parts of a replica's predicted-TTFT cost, in seconds (see :class:`PredictedTTFTScorer`)."""
+
+    prefill_s: float  # its uncached prompt tokens, and queued prefill that waits for earlier steps
+    shared_step_s: float  # queued prefill that shares this request's step
+    evict_s: float
+    load_s: float
+    kv_s: float
+    occupancy_s: float
+    session_s: float  # 0, or minus the bonus for the session's last replica
+
+
 @register_scorer("predicted-ttft")
 class PredictedTTFTScorer(Scorer):
     """Prefers the replica expected to produce the first token soonest.
@@ -212,7 +233,8 @@ class PredictedTTFTScorer(Scorer):
                    + occupancy_weight_tokens / prefill rate (or occupancy_weight_s)
                      x share of its KV blocks the index holds (if the prompt adds a block)
                    - session_bonus_s if it served this session last
-    score = 1 / (1 + cost). Uncached tokens come from the prefix index (``req.cached``). Its
+    score = 1 / (1 + cost), each term one field of :class:`CostTerms`. Uncached tokens come from the prefix
+    index (``req.cached``). Its
     parameters default to the ``cache_aware`` section of the configuration.
     """
 
@@ -224,6 +246,13 @@ class PredictedTTFTScorer(Scorer):
         self.cfg = params or CacheAwareConfig()
 
     def cost(self, req: RouteRequest, view: ReplicaView) -> float:
+        return max(0.0, sum(self._terms(req, view)))
+
+    def terms(self, req: RouteRequest, view: ReplicaView) -> CostTerms:
+        return CostTerms(*self._terms(req, view))
+
+    def _terms(self, req: RouteRequest, view: ReplicaView) -> tuple[float, ...]:
+        """The terms in :class:`CostTerms` order, as a plain tuple (the hot path sums them)."""
         cfg = self.cfg
         uncached = req.uncached(view.name)
         # vLLM prefills several requests in one scheduler step (chunked prefill): queued prefill that
@@ -231,37 +260,46 @@ class PredictedTTFTScorer(Scorer):
         # the shared step by the time its tokens add to a step (nothing while that is not known)
         pending = view.pending_prefill
         queued = min(pending, max(0, pending + uncached - view.max_num_batched_tokens))
-        cost = (uncached + queued) / view.prefill_rate + (pending - queued) * view.prefill_marginal_s
+        prefill = (uncached + queued) / view.prefill_rate
+        shared_step = (pending - queued) * view.prefill_marginal_s
         # the index holds a prompt's blocks once they are computed: blocks taken by prompts still in prefill
         # there are in use too, not room (without them a busy replica looks like the emptiest)
         cache_tokens = view.kv_blocks * view.block_size
         occupancy = min(1.0, req.occupancy.get(view.name, 0.0) + pending / cache_tokens)
         stored = uncached - uncached % view.block_size  # the whole blocks it adds to the cache (about)
+        evict = 0.0
         if cfg.evict_weight and stored:
             # what does not fit in the free part of its cache pushes out cached prefixes, which their
             # owners will have to prefill again: a small shared prefix should not pull new prompts onto
             # a full replica while others have room
             free = (1.0 - occupancy) * cache_tokens
-            cost += cfg.evict_weight * max(0.0, stored - free) / view.prefill_rate
+            evict = cfg.evict_weight * max(0.0, stored - free) / view.prefill_rate
         # a queue weighs against cache hits in one unit: seconds of this replica's prefill. In fixed
         # seconds it was too light where prefill is slow (a 70B model on Gaudi 2: a 1,024-token system prompt
         # is worth 0.13 s, and conversations piled on the replica that held it) or too heavy where it is fast
-        cost += _seconds(cfg.load_weight_s, cfg.load_weight_tokens, view) * view.load / view.max_num_seqs
+        load = _seconds(cfg.load_weight_s, cfg.load_weight_tokens, view) * view.load / view.max_num_seqs
+        kv = 0.0
         if view.kv_usage > cfg.kv_threshold:
             # only a nearly full cache delays a new request (vLLM queues or preempts then); below
             # that, a scrape up to an interval old would only steer prefixes away from their cache
             over = (view.kv_usage - cfg.kv_threshold) / (1.0 - cfg.kv_threshold)
-            cost += cfg.kv_weight_s * min(1.0, over)
+            kv = cfg.kv_weight_s * min(1.0, over)
+        occupied = 0.0
         if stored:  # a prompt that adds no block to the cache evicts nothing
             # in the same unit as the hits too: as a fixed 0.1 s it was 3,000 tokens' prefill on replicas that
             # prefill 30,000 tokens/s, and moved conversations off their cache as it filled
-            cost += _seconds(cfg.occupancy_weight_s, cfg.occupancy_weight_tokens, view) * occupancy
+            occupied = _seconds(cfg.occupancy_weight_s, cfg.occupancy_weight_tokens, view) * occupancy
+        session = 0.0
         if req.session_replica is not None and req.session_replica == view.name:
-            cost -= cfg.session_bonus_s
-        return max(0.0, cost)
+            session = -cfg.session_bonus_s
+        return prefill, shared_step, evict, load, kv, occupied, session
+
+    def explain(self, req: RouteRequest, view: ReplicaView) -> dict[str, float]:
+        terms = self.terms(req, view)
+        return {"cost_s": max(0.0, sum(terms)), **terms._asdict()}
 
     def __call__(self, req: RouteRequest, view: ReplicaView) -> float:
-        return 1.0 / (1.0 + self.cost(req, view))
+        return 1.0 / (1.0 + max(0.0, sum(self._terms(req, view))))
 
 
 # -- pickers -------------------------------------------------------------------------------
@@ -294,13 +332,16 @@ class MaxScorePicker(Picker):
         self._turn = itertools.count()
         self._chosen: dict[str, float] = {}  # replica name -> turn it was last chosen at
 
+    def tied(self, scored: list[Scored]) -> list[Scored]:
+        best = max(s for _, s in scored)
+        floor = best - max(1e-12, self.tolerance * abs(best))
+        return [pair for pair in scored if pair[1] >= floor]
+
     def __call__(self, req: RouteRequest, scored: list[Scored]) -> Scored:
         if len(scored) == 1:
             pick = scored[0]
         else:
-            best = max(s for _, s in scored)
-            floor = best - max(1e-12, self.tolerance * abs(best))
-            tied = [pair for pair in scored if pair[1] >= floor]
+            tied = self.tied(scored)
             if len(tied) == 1:
                 pick = tied[0]
             else:
@@ -358,6 +399,34 @@ class Policy:
 
     def score(self, req: RouteRequest, view: ReplicaView) -> float:
         return sum(w * s(req, view) for s, w in self.scorers)
+
+    def explain(self, req: RouteRequest, views: Sequence[ReplicaView]) -> dict[str, Any]:
+        """What :meth:`choose` would weigh for ``req``, without choosing (a picker keeps turns): each
+        replica left out with the filter that left it out, each candidate with its score, each scorer's
+        rating and weight and what the rating is made of, best first, and the best-scored ones."""
+        filtered: list[dict[str, str]] = []
+        candidates: list[dict[str, Any]] = []
+        scored: list[Scored] = []
+        for v in views:
+            dropped = next((f.name for f in self.filters if not f(req, [v])), None)
+            if dropped is not None:
+                filtered.append({"replica": v.name, "filter": dropped})
+                continue
+            scored.append((v, self.score(req, v)))
+            scorers = []
+            for s, w in self.scorers:
+                entry: dict[str, Any] = {"name": s.name, "weight": w, "score": s(req, v)}
+                parts = s.explain(req, v)
+                if parts is not None:
+                    entry.update(parts)
+                scorers.append(entry)
+            candidates.append({"replica": v.name, "score": scored[-1][1],
+                               "cached_tokens": req.cached.get(v.name, 0), "load": v.load,
+                               "pending_prefill": v.pending_prefill, "scorers": scorers})
+        candidates.sort(key=lambda c: -c["score"])
+        best = sorted(v.name for v, _ in self.picker.tied(scored)) if scored else []
+        return {"policy": self.name, "picker": self.picker.name, "best": best, "candidates": candidates,
+                "filtered": filtered}
 
     def choose(self, req: RouteRequest, views: Sequence[ReplicaView]) -> Scored:
         cands = self.candidates(req, views)

@@ -113,6 +113,32 @@ def test_requests_in_flight_cost_the_time_the_replica_takes_to_prefill_load_weig
     assert load_cost(8000, load_weight_s=2.0) == load_cost(32000, load_weight_s=2.0) == pytest.approx(0.5)
 
 
+def test_the_cost_is_the_sum_of_the_terms_it_explains():
+    v = view("a", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100, inflight=8, pending=300,
+             kv_usage=0.95)
+    r = req(prompt=1030, cached={"a": 256}, occupancy={"a": 0.5}, session="a")
+    scorer = PredictedTTFTScorer()
+    parts = scorer.explain(r, v)
+    terms = {k: x for k, x in parts.items() if k != "cost_s"}
+    assert set(terms) == {"prefill_s", "shared_step_s", "evict_s", "load_s", "kv_s", "occupancy_s", "session_s"}
+    assert all(x != 0 for k, x in terms.items() if k != "shared_step_s")  # each term has something to say here
+    assert parts["cost_s"] == pytest.approx(sum(terms.values())) == pytest.approx(scorer.cost(r, v))
+
+
+def test_explain_lists_each_filtered_replica_with_its_filter_and_the_candidates_best_first():
+    views = [view("busy", inflight=3), view("drained", drained=True), view("idle"), view("other", models=("x",))]
+    out = build_policy("least-loaded").explain(req(), views)
+    assert out["filtered"] == [{"replica": "drained", "filter": "not-drained"},
+                               {"replica": "other", "filter": "serves-model"}]
+    assert [c["replica"] for c in out["candidates"]] == ["idle", "busy"] and out["best"] == ["idle"]
+    assert [s["name"] for s in out["candidates"][0]["scorers"]] == ["load", "session"]
+
+
+def test_explain_names_every_replica_the_picker_would_take_turns_among():
+    out = build_policy("cache-aware").explain(req(prompt=100), [view("a"), view("b")])
+    assert out["best"] == ["a", "b"]
+
+
 def test_a_full_cache_costs_the_time_the_replica_takes_to_prefill_occupancy_weight_tokens():
     def occupancy_cost(rate, **cfg):
         def one(occupancy):
