@@ -171,6 +171,7 @@ class Replica:
             "failed_requests_in_a_row": self.request_failures,
             "ejected_for_s": max(0.0, round(self.ejected_until - time.monotonic(), 1)),
             "consecutive_failures": self.fails,
+            "consecutive_good_checks": self.successes,  # an unready replica returns at health.rise_threshold
             "last_error": self.last_error,
             "restarts": self.restarts,
         }
@@ -381,8 +382,10 @@ class ReplicaPool:
             return  # ejected: /health answering does not bring it back before its time
         r.fails = 0
         r.successes += 1
+        if r.state == "unready" and r.successes < self.health.rise_threshold:
+            return  # on its way back: last_error still says why it went out, until it is in rotation again
         r.last_error = None
-        if r.state == "starting" or (r.state == "unready" and r.successes >= self.health.rise_threshold):
+        if r.state != "ready":
             # a replica seen down and back may be a new process: its /metrics start time tells
             r.state = "ready"
             r.failed_to_start = None

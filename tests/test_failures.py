@@ -177,6 +177,24 @@ def test_unhealthy_replica_is_ejected_and_returns_after_consecutive_successes(cl
     assert took >= 0.2 * 2, "one good check is not enough to return"
 
 
+def test_a_replica_on_its_way_back_keeps_the_reason_it_went_out_until_it_is_ready(cluster):
+    a, b = cluster.sim(), cluster.sim()
+    rt = cluster.router([a, b], "--set", "health.interval_s=0.2", "--set", "health.rise_threshold=8")
+    set_faults(a, health_status=503)
+    wait_until(lambda: not replicas_view(rt)[a.url]["ready"], timeout=2)
+    set_faults(a, health_status=200)
+    seen = []  # (good checks, last_error) while it is unready: 8 checks 0.2 s apart
+    while len(seen) < 200:
+        view = replicas_view(rt)[a.url]
+        if view["ready"]:
+            break
+        seen.append((view["consecutive_good_checks"], view["last_error"]))
+        time.sleep(0.05)
+    assert view["ready"] and view["last_error"] is None
+    assert any(good > 0 for good, _ in seen)  # seen on its way back, not only before
+    assert all(error is not None and "503" in error for _, error in seen)
+
+
 def test_replica_restart_is_detected_from_its_start_time(cluster):
     sim = cluster.sim()
     rt = cluster.router([sim], "--set", "health.interval_s=0.2", "--set", "health.metrics_interval_s=0.2")
