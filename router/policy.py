@@ -299,7 +299,7 @@ class PredictedTTFTScorer(Scorer):
         return {"cost_s": max(0.0, sum(terms)), **terms._asdict()}
 
     def __call__(self, req: RouteRequest, view: ReplicaView) -> float:
-        return 1.0 / (1.0 + max(0.0, sum(self._terms(req, view))))
+        return 1.0 / (1.0 + self.cost(req, view))
 
 
 # -- pickers -------------------------------------------------------------------------------
@@ -412,7 +412,6 @@ class Policy:
             if dropped is not None:
                 filtered.append({"replica": v.name, "filter": dropped})
                 continue
-            scored.append((v, self.score(req, v)))
             scorers = []
             for s, w in self.scorers:
                 entry: dict[str, Any] = {"name": s.name, "weight": w, "score": s(req, v)}
@@ -420,6 +419,7 @@ class Policy:
                 if parts is not None:
                     entry.update(parts)
                 scorers.append(entry)
+            scored.append((v, sum(e["weight"] * e["score"] for e in scorers)))  # as score() adds them
             candidates.append({"replica": v.name, "score": scored[-1][1],
                                "cached_tokens": req.cached.get(v.name, 0), "load": v.load,
                                "pending_prefill": v.pending_prefill, "scorers": scorers})
