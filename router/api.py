@@ -28,6 +28,7 @@ from . import __version__, errors
 from .admission import Admission
 from .auth import Auth
 from .config import RouterConfig
+from .conversations import Conversations
 from .errors import GatewayError
 from .events import EventBus
 from .failover import transcript_for
@@ -95,7 +96,9 @@ class Gateway:
         self.router = Router(self.pool, self.load, self.policy, self.admission,
                              build_sessions(config.index, config.sessions, self.metrics, share, self.load),
                              self.metrics, self.events,
-                             index=index, keys=keys)
+                             index=index, keys=keys,
+                             conversations=Conversations(config.conversations.window_s,
+                                                         config.conversations.max_tracked) if keys else None)
         self.forwarder = Forwarder(self.router, self.pool, config.proxy, self.metrics, config.client.send_timeout_s)
         self.membership = Membership(config, self.pool)
         self.auth = Auth(config.auth)

@@ -236,6 +236,17 @@ class CacheAwareConfig(_Model):
     occupancy_weight_s: float | None = Field(None, ge=0, description="seconds of cost for a replica whose cache the "
                                              "index sees full, whatever its prefill rate (instead of "
                                              "occupancy_weight_tokens)")
+    returning_weight: float = Field(1.0, ge=0, description="a conversation waiting at a replica between turns weighs "
+                                    "this many requests in flight there (load term), times the share of answered "
+                                    "prompts whose conversation came back; 0 turns it off")
+
+
+class ConversationsConfig(_Model):
+    """Conversations between turns (see the README's routing section)."""
+
+    window_s: float = Field(60.0, gt=0, description="an answered prompt's conversation counts as waiting at its replica "
+                            "this long, unless its next turn comes first")
+    max_tracked: int = Field(100_000, ge=1, description="waiting conversations this router keeps (oldest out)")
 
 
 class SessionConfig(_Model):
@@ -321,6 +332,7 @@ class RouterConfig(_Model):
     prefix: PrefixConfig = Field(default_factory=PrefixConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)
+    conversations: ConversationsConfig = Field(default_factory=ConversationsConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     log: LogConfig = Field(default_factory=LogConfig)

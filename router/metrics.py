@@ -100,6 +100,10 @@ class Metrics:
         self.index_blocks = Gauge(
             "kvroute_index_blocks", "Blocks the prefix index holds for each replica (this router's view).",
             ["replica"], registry=r, multiprocess_mode="livemax")
+        self.conversations_waiting = Gauge(
+            "kvroute_conversations_waiting", "Conversations between turns this router expects back at each replica "
+            "(answered prompts not continued yet, within conversations.window_s).",
+            ["replica"], registry=r, multiprocess_mode="livesum")
         self.index_errors = Counter(
             "kvroute_index_errors", "Failed or too slow calls to the shared (Redis) index.", ["op"], registry=r)
         self.client_refused = Counter(

@@ -219,6 +219,7 @@ class CostTerms(NamedTuple):
     kv_s: float
     occupancy_s: float
     session_s: float  # 0, or minus the bonus for the session's last replica
+    returning_s: float  # conversations between turns, expected back
 
 
 @register_scorer("predicted-ttft")
@@ -229,6 +230,7 @@ class PredictedTTFTScorer(Scorer):
                    + queued prefill that fits in its step x seconds a token adds to a step
                    + evict_weight x (uncached whole blocks beyond the free part of its cache) / prefill rate
                    + load_weight_tokens / prefill rate (or load_weight_s) x load / max_num_seqs
+                   + the same x returning_weight x requests its waiting conversations are expected to send
                    + kv_weight_s x (KV cache usage above kv_threshold, scaled to 0..1)
                    + occupancy_weight_tokens / prefill rate (or occupancy_weight_s)
                      x share of its KV blocks the index holds (if the prompt adds a block)
@@ -277,7 +279,11 @@ class PredictedTTFTScorer(Scorer):
         # a queue weighs against cache hits in one unit: seconds of this replica's prefill. In fixed
         # seconds it was too light where prefill is slow (a 70B model on Gaudi 2: a 1,024-token system prompt
         # is worth 0.13 s, and conversations piled on the replica that held it) or too heavy where it is fast
-        load = _seconds(cfg.load_weight_s, cfg.load_weight_tokens, view) * view.load / view.max_num_seqs
+        per_seq = _seconds(cfg.load_weight_s, cfg.load_weight_tokens, view) / view.max_num_seqs
+        load = per_seq * view.load
+        # conversations between turns will be back, with histories that need its cache: placing new ones
+        # by the requests in flight alone piles a burst of them on whichever replica is quickest that moment
+        returning = per_seq * cfg.returning_weight * req.returning.get(view.name, 0.0)
         kv = 0.0
         if view.kv_usage > cfg.kv_threshold:
             # only a nearly full cache delays a new request (vLLM queues or preempts then); below
@@ -292,7 +298,7 @@ class PredictedTTFTScorer(Scorer):
         session = 0.0
         if req.session_replica is not None and req.session_replica == view.name:
             session = -cfg.session_bonus_s
-        return prefill, shared_step, evict, load, kv, occupied, session
+        return prefill, shared_step, evict, load, kv, occupied, session, returning
 
     def explain(self, req: RouteRequest, view: ReplicaView) -> dict[str, float]:
         terms = self.terms(req, view)
@@ -422,7 +428,8 @@ class Policy:
             scored.append((v, sum(e["weight"] * e["score"] for e in scorers)))  # as score() adds them
             candidates.append({"replica": v.name, "score": scored[-1][1],
                                "cached_tokens": req.cached.get(v.name, 0), "load": v.load,
-                               "pending_prefill": v.pending_prefill, "scorers": scorers})
+                               "pending_prefill": v.pending_prefill, "returning": req.returning.get(v.name, 0.0),
+                               "scorers": scorers})
         candidates.sort(key=lambda c: -c["score"])
         best = sorted(v.name for v, _ in self.picker.tied(scored)) if scored else []
         return {"policy": self.name, "picker": self.picker.name, "best": best, "candidates": candidates,

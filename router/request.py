@@ -15,7 +15,8 @@ class RouteRequest:
 
     The API fills the first fields from the HTTP request. The router fills the rest once, before
     the first attempt: the prompt key, the predicted cached tokens and index occupancy per replica,
-    and the replica that served the session last. ``exclude`` grows with every failed attempt.
+    the requests expected back at each replica, and the replica that served the session last.
+    ``exclude`` grows with every failed attempt.
     """
 
     model: str | None
@@ -32,6 +33,8 @@ class RouteRequest:
     cached: dict[str, int] = field(default_factory=dict)  # predicted cached tokens per replica name
     occupancy: dict[str, float] = field(default_factory=dict)  # share of each replica's KV blocks indexed
     index_fallback: bool = False  # the shared index could not answer: the local one did
+    returning: dict[str, float] = field(default_factory=dict)  # requests expected back at each replica
+    continues: "tuple[int, str] | None" = None  # the waiting conversation tail it continues, and its replica
     session_replica: str | None = None
 
     def uncached(self, replica: str) -> int:

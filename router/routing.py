@@ -11,10 +11,11 @@ request and tells the ticket how it went:
 - ``failed(kind)``: the attempt failed before the answer (see :data:`router.failures.KINDS`): the
   slot goes back, the index record made for it is withdrawn, the replica is not tried again for
   this request, and a connection refused takes it out of rotation;
-- ``finish(status)``: the answer ended: the slot goes back and the decision is counted.
+- ``finish(status)``: the answer ended: the slot goes back, the decision is counted, and after a 2xx
+  answer the request's conversation waits at the replica for its next turn.
 
 The ticket owns everything routing needs to hear about a request; nothing else changes the load
-table, the index or the sessions on a request's behalf.
+table, the index, the sessions or the conversations on a request's behalf.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from . import errors
 from .admission import Admission
 from .background import Background
+from .conversations import Conversations
 from .errors import GatewayError
 from .events import Event, EventBus, ReplicaRemoved, ReplicaRestarted
 from .failures import KINDS
@@ -53,10 +55,10 @@ class Ticket:
     """One attempt's routing: where it goes, and what routing must hear back about it."""
 
     __slots__ = ("_router", "req", "replica", "name", "cached_tokens", "reason", "learns_tokens", "_pending",
-                 "_receipts", "_open")
+                 "_receipts", "tails", "_open")
 
     def __init__(self, router: "Router", req: RouteRequest, replica: Replica, cached: int, reason: str | None,
-                 pending: int, receipts: list[Receipt]) -> None:
+                 pending: int, receipts: list[Receipt], tails: list[int] | None = None) -> None:
         self._router = router
         self.req = req
         self.replica = replica  # for sending (its upstream connections); routing state lives elsewhere
@@ -67,6 +69,7 @@ class Ticket:
         self.learns_tokens = req.key is not None and req.key.in_bytes
         self._pending = pending
         self._receipts = receipts
+        self.tails = tails or []  # the last block of each prompt: where its conversation waits once answered
         self._open = True
 
     def first_byte(self, status: int) -> None:
@@ -103,7 +106,8 @@ class Ticket:
 class Router:
     def __init__(self, pool: ReplicaPool, load: LoadTable, policy: Policy, admission: Admission,
                  sessions: Sessions, metrics: Metrics, events: EventBus,
-                 index: PrefixIndex | None = None, keys: PromptKeys | None = None) -> None:
+                 index: PrefixIndex | None = None, keys: PromptKeys | None = None,
+                 conversations: Conversations | None = None) -> None:
         self.pool = pool
         self.load = load
         self.policy = policy
@@ -112,6 +116,7 @@ class Router:
         self.metrics = metrics
         self.index = index
         self.keys = keys
+        self.conversations = conversations
         self._m_lookup = metrics.index_lookup
         self._background = Background()
         events.subscribe(self._on_event)
@@ -134,6 +139,7 @@ class Router:
         assert replica is not None
         name = view.name
         receipts: list[Receipt] = []
+        tails: list[int] = []
         reason: str | None = None
         cached = pending = 0
         key = req.key
@@ -146,8 +152,14 @@ class Router:
                 reason = "cache"
             else:
                 reason = "load"
+            chains = key.chains(view.block_size)
+            if self.conversations is not None:
+                tails = [chain[-1] for chain in chains if chain]
+                if req.continues is not None:  # it left the table: a retry elsewhere does not resume it again
+                    self.conversations.resume(req.continues[0])
+                    req.continues = None
             try:
-                for chain in key.chains(view.block_size):
+                for chain in chains:
                     receipt = await self.index.record(req.model, name, chain, view.kv_blocks)
                     if receipt is not None:
                         receipts.append(receipt)
@@ -158,10 +170,11 @@ class Router:
                 raise
             if pending:
                 self.load.add_pending(name, pending)
-        return Ticket(self, req, replica, cached, reason, pending, receipts)
+        return Ticket(self, req, replica, cached, reason, pending, receipts, tails)
 
     async def prepare(self, req: RouteRequest) -> None:
-        """Once per request: session, prompt key, and the predicted cached tokens per replica."""
+        """Once per request: session, prompt key, the predicted cached tokens and the requests expected back
+        per replica."""
         req.prepared = True
         if req.session_id is not None:
             req.session_replica = await self.sessions.get(req.session_id)
@@ -200,6 +213,9 @@ class Router:
             req.cached.update(matched)
             for v in group:
                 req.occupancy[v.name] = min(1.0, held[v.name] / v.kv_blocks)
+        if self.conversations is not None:
+            req.continues = self.conversations.find(c for block in by_block for c in key.chains(block))
+            req.returning = self.conversations.expected(req.continues[1] if req.continues else None)
         self._m_lookup.observe(time.perf_counter() - started)
 
     def _unroutable(self, req: RouteRequest, e: NoCandidate) -> GatewayError:
@@ -240,6 +256,8 @@ class Router:
     def _finished(self, ticket: Ticket, status: int, prompt_tokens: int | None) -> None:
         req = ticket.req
         self.admission.release(ticket.name)
+        if ticket.tails and self.conversations is not None and 200 <= status < 300:
+            self.conversations.answered(ticket.name, ticket.tails)
         if prompt_tokens and self.keys is not None and req.key is not None and req.model is not None:
             self.keys.observe(req.model, req.key, prompt_tokens)
         if ticket.reason is not None:
@@ -256,6 +274,8 @@ class Router:
             replica = self.pool.get(event.replica)
             models = sorted(replica.models) if replica is not None else []
             self._background.spawn(self._forget(event.replica, models))
+        if self.conversations is not None and isinstance(event, ReplicaRemoved):
+            self.conversations.forget(event.replica)
 
     async def _forget(self, replica: str, models: list[str]) -> None:
         assert self.index is not None
@@ -277,6 +297,10 @@ class Router:
                     for model in r.models:
                         total += await self.index.size(model, r.name)
                     self.metrics.index_blocks.labels(r.name).set(total)
+                if self.conversations is not None:
+                    waiting = self.conversations.waiting()
+                    for r in self.pool:
+                        self.metrics.conversations_waiting.labels(r.name).set(waiting.get(r.name, 0))
             except Exception:
                 log.exception("index size refresh failed")
 

@@ -25,10 +25,11 @@ def view(name, inflight=0, ready=True, models=("m",), drained=False, pending=0, 
                        external_load=external, inflight=inflight, pending_prefill=pending)
 
 
-def req(model="m", exclude=(), session=None, prompt=0, cached=None, occupancy=None):
+def req(model="m", exclude=(), session=None, prompt=0, cached=None, occupancy=None, returning=None):
     r = RouteRequest(model=model, request_id="r", endpoint="/v1/completions", exclude=set(exclude))
     r.session_replica = session
     r.prompt_tokens, r.cached, r.occupancy = prompt, dict(cached or {}), dict(occupancy or {})
+    r.returning = dict(returning or {})
     return r
 
 
@@ -80,8 +81,9 @@ def test_kv_usage_scorer_prefers_free_cache():
     assert s(req(), view("a", kv_usage=0.2)) > s(req(), view("b", kv_usage=0.9))
 
 
-def cost(v, cached=0, prompt=1024, **cfg):
-    return PredictedTTFTScorer(CacheAwareConfig(**cfg)).cost(req(prompt=prompt, cached={v.name: cached}), v)
+def cost(v, cached=0, prompt=1024, returning=None, **cfg):
+    r = req(prompt=prompt, cached={v.name: cached}, returning=returning)
+    return PredictedTTFTScorer(CacheAwareConfig(**cfg)).cost(r, v)
 
 
 def test_kv_usage_costs_nothing_until_the_cache_is_nearly_full():
@@ -113,14 +115,26 @@ def test_requests_in_flight_cost_the_time_the_replica_takes_to_prefill_load_weig
     assert load_cost(8000, load_weight_s=2.0) == load_cost(32000, load_weight_s=2.0) == pytest.approx(0.5)
 
 
+def test_a_conversation_waiting_between_turns_weighs_like_a_request_in_flight():
+    def weight(**cfg):
+        return (cost(view("a", prefill_tokens_per_s=8000, max_num_seqs=256), returning={"a": 64}, **cfg)
+                - cost(view("a", prefill_tokens_per_s=8000, max_num_seqs=256), **cfg))
+    in_flight = (cost(view("a", prefill_tokens_per_s=8000, max_num_seqs=256, inflight=64))
+                 - cost(view("a", prefill_tokens_per_s=8000, max_num_seqs=256)))
+    assert weight() == pytest.approx(in_flight) == pytest.approx(1.0)
+    assert weight(returning_weight=0.5) == pytest.approx(0.5)
+    assert weight(returning_weight=0) == 0
+
+
 def test_the_cost_is_the_sum_of_the_terms_it_explains():
     v = view("a", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100, inflight=8, pending=300,
              kv_usage=0.95)
-    r = req(prompt=1030, cached={"a": 256}, occupancy={"a": 0.5}, session="a")
+    r = req(prompt=1030, cached={"a": 256}, occupancy={"a": 0.5}, session="a", returning={"a": 2.5})
     scorer = PredictedTTFTScorer()
     parts = scorer.explain(r, v)
     terms = {k: x for k, x in parts.items() if k != "cost_s"}
-    assert set(terms) == {"prefill_s", "shared_step_s", "evict_s", "load_s", "kv_s", "occupancy_s", "session_s"}
+    assert set(terms) == {"prefill_s", "shared_step_s", "evict_s", "load_s", "kv_s", "occupancy_s", "session_s",
+                          "returning_s"}
     assert all(x != 0 for k, x in terms.items() if k != "shared_step_s")  # each term has something to say here
     assert parts["cost_s"] == pytest.approx(sum(terms.values())) == pytest.approx(scorer.cost(r, v))
 

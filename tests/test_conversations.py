@@ -1,0 +1,188 @@
+"""Conversations between turns: which replica should expect which requests back."""
+
+import pytest
+
+from router.conversations import PRIOR_ENDED, Conversations
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def chain(*blocks: int) -> list[int]:
+    """A prompt's chain of block hashes."""
+    return list(blocks)
+
+
+def test_a_prompt_that_extends_an_answered_one_continues_its_conversation_where_it_was_answered():
+    c = Conversations()
+    c.answered("a", [3])
+    assert c.find([chain(1, 2, 3, 4, 5)]) == (3, "a")
+
+
+def test_a_prompt_that_shares_only_a_system_prompt_continues_nothing():
+    c = Conversations()
+    c.answered("a", [3])
+    assert c.find([chain(1, 2, 7, 8)]) is None
+
+
+def test_the_deepest_waiting_tail_is_the_one_continued():
+    c = Conversations()
+    c.answered("a", [3])
+    c.answered("b", [5])
+    assert c.find([chain(1, 2, 3, 4, 5, 6)]) == (5, "b")
+
+
+def test_nothing_is_expected_back_until_a_conversation_has_come_back():
+    c = Conversations()
+    c.answered("a", [3, 13, 23])
+    assert c.waiting() == {"a": 3}
+    assert c.expected() == {}
+
+
+def test_requests_expected_back_are_the_waiting_conversations_times_the_share_that_came_back():
+    c = Conversations()
+    for tail in range(100, 120):  # 20 conversations answered, and every one came back
+        c.answered("a", [tail])
+        c.resume(tail)
+    c.answered("a", [1, 2])
+    c.answered("b", [3])
+    share = 20 / (20 + PRIOR_ENDED)
+    assert c.continued_share() == pytest.approx(share, rel=0.02)
+    assert c.expected() == {"a": pytest.approx(2 * share, rel=0.02), "b": pytest.approx(share, rel=0.02)}
+
+
+def test_the_asking_request_does_not_count_against_the_replica_its_own_conversation_waits_at():
+    c = Conversations()
+    c.answered("x", [100])
+    c.resume(100)
+    c.answered("a", [1])
+    c.answered("b", [2])
+    assert set(c.expected(own="a")) == {"b"}
+
+
+def test_one_shot_prompts_teach_that_nothing_comes_back():
+    clock = Clock()
+    c = Conversations(window_s=10, clock=clock)
+    c.answered("a", [1])
+    c.resume(1)
+    before = c.continued_share()
+    c.answered("a", list(range(10, 60)))
+    clock.now += 11
+    assert c.waiting() == {}
+    assert c.continued_share() < before / 4
+
+
+def test_a_conversation_stops_waiting_after_the_window():
+    clock = Clock()
+    c = Conversations(window_s=10, clock=clock)
+    c.answered("a", [1])
+    clock.now += 9
+    c.answered("a", [2])
+    clock.now += 2
+    assert c.waiting() == {"a": 1}
+    assert c.find([chain(1, 5)]) is None
+    assert c.find([chain(2, 5)]) == (2, "a")
+
+
+def test_a_turn_answered_elsewhere_moves_its_conversation():
+    c = Conversations()
+    c.answered("a", [7])
+    c.resume(7)
+    c.answered("b", [9])
+    assert c.waiting() == {"b": 1}
+
+
+def test_an_identical_prompt_sent_again_is_one_conversation():
+    c = Conversations()
+    c.answered("a", [7])
+    c.answered("a", [7])
+    assert c.waiting() == {"a": 1}
+
+
+def test_the_table_is_bounded():
+    c = Conversations(max_tracked=100)
+    c.answered("a", range(1000))
+    assert c.waiting() == {"a": 100}
+    assert c.find([[0]]) is None and c.find([[999]]) == (999, "a")
+
+
+def test_a_replica_that_leaves_takes_its_conversations_with_it():
+    c = Conversations()
+    c.answered("a", [1, 2])
+    c.answered("b", [3])
+    c.forget("a")
+    assert c.waiting() == {"b": 1}
+    assert c.find([[1, 2]]) is None
+
+
+# -- through the router --------------------------------------------------------------------
+
+import httpx  # noqa: E402
+
+from conftest import FAST  # noqa: E402
+
+SYSTEM = {"role": "system", "content": "You answer questions about the fleet. " * 6}
+
+
+def turns(conversation: int, n: int) -> list[list[dict[str, str]]]:
+    history = [SYSTEM]
+    out = []
+    for t in range(n):
+        history.append({"role": "user", "content": f"conversation {conversation}, question {t}: " + "why? " * 20})
+        out.append(list(history))
+        history.append({"role": "assistant", "content": f"answer {t} of conversation {conversation}. " * 4})
+    return out
+
+
+def two_replicas(cluster, **config):
+    sims = [cluster.sim(*FAST) for _ in range(2)]
+    return cluster.router([], config={**config, "replicas": [
+        {"name": n, "url": s.url, "block_size": 16} for n, s in zip("ab", sims)]})
+
+
+def chat(rt, messages) -> str:
+    r = httpx.post(rt.url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2},
+                   timeout=10)
+    assert r.status_code == 200
+    return r.headers["x-kvroute-replica"]
+
+
+def first_turns_by_replica(rt, conversations=10, n=3) -> dict[str, int]:
+    """Conversations one after the other, each turn once the previous was answered; where each began."""
+    began: dict[str, int] = {}
+    for c in range(conversations):
+        for t, messages in enumerate(turns(c, n)):
+            served = chat(rt, messages)
+            if t == 0:
+                began[served] = began.get(served, 0) + 1
+    return began
+
+
+def test_the_router_expects_each_conversation_back_where_its_last_turn_was_answered(cluster):
+    rt = two_replicas(cluster)
+    last = {}
+    for c in range(12):
+        for messages in turns(c, 2):
+            last[c] = chat(rt, messages)
+    out = httpx.post(rt.url + "/admin/explain/v1/chat/completions",
+                     json={"model": "tiny", "messages": turns(99, 1)[0]}, timeout=10).json()
+    returning = {c["replica"]: c["returning"] for c in out["candidates"]}
+    share = 12 / (12 + PRIOR_ENDED)  # every conversation came back once
+    for replica in "ab":
+        waiting = sum(1 for r in last.values() if r == replica)
+        assert returning[replica] == pytest.approx(waiting * share, rel=0.05)
+
+
+def test_new_conversations_under_one_cached_system_prompt_spread_once_conversations_wait_at_its_replica(cluster):
+    began = first_turns_by_replica(two_replicas(cluster))
+    assert sorted(began) == ["a", "b"], began
+
+
+def test_without_the_waiting_conversations_every_new_one_follows_the_cached_system_prompt(cluster):
+    began = first_turns_by_replica(two_replicas(cluster, cache_aware={"returning_weight": 0}))
+    assert len(began) == 1, began
