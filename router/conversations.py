@@ -67,7 +67,12 @@ class Conversations:
         share = self.continued_share()
         if share <= 0.0:
             return {}
-        return {r: share * (n - (r == own)) for r, n in self._waiting.items() if n - (r == own) > 0}
+        out = {}
+        for r, n in self._waiting.items():
+            n -= r == own
+            if n > 0:
+                out[r] = share * n
+        return out
 
     def waiting(self) -> dict[str, int]:
         """Conversations waiting at each replica (tails not continued yet)."""

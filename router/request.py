@@ -34,7 +34,7 @@ class RouteRequest:
     occupancy: dict[str, float] = field(default_factory=dict)  # share of each replica's KV blocks indexed
     index_fallback: bool = False  # the shared index could not answer: the local one did
     returning: dict[str, float] = field(default_factory=dict)  # requests expected back at each replica
-    continues: "tuple[int, str] | None" = None  # the waiting conversation tail it continues, and its replica
+    continues: int | None = None  # the tail of the waiting conversation it continues
     session_replica: str | None = None
 
     def uncached(self, replica: str) -> int:

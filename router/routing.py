@@ -58,7 +58,7 @@ class Ticket:
                  "_receipts", "tails", "_open")
 
     def __init__(self, router: "Router", req: RouteRequest, replica: Replica, cached: int, reason: str | None,
-                 pending: int, receipts: list[Receipt], tails: list[int] | None = None) -> None:
+                 pending: int, receipts: list[Receipt], tails: list[int]) -> None:
         self._router = router
         self.req = req
         self.replica = replica  # for sending (its upstream connections); routing state lives elsewhere
@@ -69,7 +69,7 @@ class Ticket:
         self.learns_tokens = req.key is not None and req.key.in_bytes
         self._pending = pending
         self._receipts = receipts
-        self.tails = tails or []  # the last block of each prompt: where its conversation waits once answered
+        self.tails = tails  # the last block of each prompt: where its conversation waits once answered
         self._open = True
 
     def first_byte(self, status: int) -> None:
@@ -156,7 +156,7 @@ class Router:
             if self.conversations is not None:
                 tails = [chain[-1] for chain in chains if chain]
                 if req.continues is not None:  # it left the table: a retry elsewhere does not resume it again
-                    self.conversations.resume(req.continues[0])
+                    self.conversations.resume(req.continues)
                     req.continues = None
             try:
                 for chain in chains:
@@ -214,8 +214,9 @@ class Router:
             for v in group:
                 req.occupancy[v.name] = min(1.0, held[v.name] / v.kv_blocks)
         if self.conversations is not None:
-            req.continues = self.conversations.find(c for block in by_block for c in key.chains(block))
-            req.returning = self.conversations.expected(req.continues[1] if req.continues else None)
+            found = self.conversations.find(c for block in by_block for c in key.chains(block))
+            req.continues, own = found if found is not None else (None, None)
+            req.returning = self.conversations.expected(own)
         self._m_lookup.observe(time.perf_counter() - started)
 
     def _unroutable(self, req: RouteRequest, e: NoCandidate) -> GatewayError:

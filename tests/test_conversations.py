@@ -1,7 +1,9 @@
 """Conversations between turns: which replica should expect which requests back."""
 
+import httpx
 import pytest
 
+from conftest import FAST
 from router.conversations import PRIOR_ENDED, Conversations
 
 
@@ -121,10 +123,6 @@ def test_a_replica_that_leaves_takes_its_conversations_with_it():
 
 
 # -- through the router --------------------------------------------------------------------
-
-import httpx  # noqa: E402
-
-from conftest import FAST  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "You answer questions about the fleet. " * 6}
 
