@@ -20,6 +20,11 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# One client for probes and control requests to local processes: httpx.get() and the like build a client,
+# and with it a TLS context (about 40 ms of CPU), on every call. No keep-alive: no connection outlives the
+# process it went to (the next one may take its port).
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=5.0)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -88,7 +93,7 @@ class Proc:
             if self.popen is not None and self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.popen.returncode}; log: {self.log_tail()}")
             try:
-                r = httpx.get(self.url + path, timeout=1.0)
+                r = HTTP.get(self.url + path, timeout=1.0)
                 if r.status_code == want:
                     return
                 last = r.status_code

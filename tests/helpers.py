@@ -9,7 +9,7 @@ from typing import Callable
 
 import httpx
 
-from loadtest.cluster import Proc
+from loadtest.cluster import HTTP, Proc
 from loadtest.tiny_model import WORDS
 from router.replica_metrics import parse_metrics
 
@@ -18,26 +18,26 @@ from router.replica_metrics import parse_metrics
 
 
 def sim_state(sim: Proc) -> dict:
-    return httpx.get(sim.url + "/sim/state", timeout=2).json()["counters"]
+    return HTTP.get(sim.url + "/sim/state", timeout=2).json()["counters"]
 
 
 def set_faults(sim: Proc, **faults: object) -> None:
-    httpx.post(sim.url + "/sim/faults", json=faults, timeout=2).raise_for_status()
+    HTTP.post(sim.url + "/sim/faults", json=faults, timeout=2).raise_for_status()
 
 
 def replica_names(router_proc: Proc) -> set[str]:
     """The names of the replicas a router holds now (any state)."""
-    return {r["name"] for r in httpx.get(router_proc.url + "/admin/replicas", timeout=5).json()["replicas"]}
+    return {r["name"] for r in HTTP.get(router_proc.url + "/admin/replicas", timeout=5).json()["replicas"]}
 
 
 def replicas_view(router_proc: Proc, headers: dict[str, str] | None = None) -> dict[str, dict]:
-    body = httpx.get(router_proc.url + "/admin/replicas", headers=headers, timeout=2).json()
+    body = HTTP.get(router_proc.url + "/admin/replicas", headers=headers, timeout=2).json()
     return {r["url"]: r for r in body["replicas"]}
 
 
 def running(url: str) -> float:
     """A replica's ``vllm:num_requests_running`` now (summed over engines), by the router's own line scan."""
-    return parse_metrics(httpx.get(url + "/metrics", timeout=5).text).running
+    return parse_metrics(HTTP.get(url + "/metrics", timeout=5).text).running
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> float:
@@ -121,7 +121,7 @@ def run_with_bypass(rt, replicas, seed, settle, bypass=0.3, **shape):
 def refused(url: str) -> bool:
     """Nothing listens at ``url``'s port (the connection is refused)."""
     try:
-        httpx.get(url, timeout=1)
+        HTTP.get(url, timeout=1)
     except httpx.ConnectError:
         return True
     return False

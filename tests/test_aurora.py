@@ -7,9 +7,8 @@ import signal
 import sys
 from pathlib import Path
 
-import httpx
 
-from helpers import refused, replica_names as names, wait_until
+from helpers import HTTP, refused, replica_names as names, wait_until
 from loadtest.cluster import Proc, free_ports
 
 SCRIPT = Path(__file__).parent.parent / "deploy" / "aurora" / "kvroute-replicas.pbs"
@@ -36,12 +35,12 @@ def test_the_job_registers_its_replicas_serves_through_both_routers_and_deregist
         two.wait_http("/ready", timeout=15)
         served = set()
         for i in range(20):
-            r = httpx.post(two.url + "/v1/completions", timeout=10,
+            r = HTTP.post(two.url + "/v1/completions", timeout=10,
                            json={"model": "tiny", "prompt": f"q{i} " * 30, "max_tokens": 2})
             assert r.status_code == 200, r.text
             served.add(r.headers["x-kvroute-replica"])
         assert served == expected
-        view = {r["name"]: r for r in httpx.get(one.url + "/admin/replicas").json()["replicas"]}
+        view = {r["name"]: r for r in HTTP.get(one.url + "/admin/replicas").json()["replicas"]}
         assert {v["platform"] for v in view.values()} == {"aurora-pvc"}
         assert {v["tensor_parallel_size"] for v in view.values()} == {4}
         log = job.log_tail()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from helpers import wait_until
+from helpers import HTTP, wait_until
 
 CHAT = "/v1/chat/completions"
 
@@ -16,7 +16,7 @@ def nested(depth: int) -> bytes:
 
 
 def raw_post(url: str, body: bytes) -> httpx.Response:
-    return httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=10)
+    return HTTP.post(url, content=body, headers={"content-type": "application/json"}, timeout=10)
 
 
 def test_content_nested_too_deep_to_key_is_routed_and_answered_by_the_replica(cluster):
@@ -27,7 +27,7 @@ def test_content_nested_too_deep_to_key_is_routed_and_answered_by_the_replica(cl
     assert r.status_code == 400, r.text  # the replica's verdict, as vLLM gives it
     assert r.headers["content-type"].startswith("application/json") and "error" in r.json()
     assert "RecursionError" not in rt.log_tail()
-    assert httpx.post(rt.url + CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "ok"}]},
+    assert HTTP.post(rt.url + CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "ok"}]},
                       timeout=10).status_code == 200
 
 
@@ -41,20 +41,20 @@ def test_a_body_nested_past_the_parsers_limit_is_a_400_from_the_router(cluster):
 def test_a_newline_in_the_model_name_cannot_forge_a_log_line(cluster):
     rt = cluster.router([cluster.sim()])
     forged = "tiny\n2026-01-01 00:00:00,000 INFO kvroute.proxy: /v1/chat/completions admin -> x 200 ok"
-    httpx.post(rt.url + CHAT, json={"model": forged, "messages": [{"role": "user", "content": "x"}]}, timeout=10)
+    HTTP.post(rt.url + CHAT, json={"model": forged, "messages": [{"role": "user", "content": "x"}]}, timeout=10)
     wait_until(lambda: "tiny\\n2026-01-01" in rt.log_tail(), timeout=5)  # a thread writes the log
     assert not any(line.startswith("2026-01-01 00:00:00,000") for line in rt.log_tail().splitlines())
 
 
 def test_model_names_no_replica_serves_share_one_metric_label(cluster):
     rt = cluster.router([cluster.sim()])
-    before = len(httpx.get(rt.url + "/metrics").content)
+    before = len(HTTP.get(rt.url + "/metrics").content)
     with httpx.Client(timeout=10) as http:
         for i in range(300):
             http.post(rt.url + CHAT, json={"model": f"made-up-{i}-" + "m" * 1000,
                                            "messages": [{"role": "user", "content": "x"}]})
         http.post(rt.url + CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
-    text = httpx.get(rt.url + "/metrics").text
+    text = HTTP.get(rt.url + "/metrics").text
     assert "made-up-" not in text
     assert 'model="other"' in text and 'model="tiny"' in text
     assert len(text) < before + 4096
@@ -75,7 +75,7 @@ def test_the_stand_in_refuses_what_vllm_refuses(cluster):
 
 def test_the_stand_in_reads_lax_booleans_and_integers_as_vllm_does(cluster):
     sim = cluster.sim()
-    r = httpx.post(sim.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "stream": "false",
+    r = HTTP.post(sim.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "stream": "false",
                                                       "max_tokens": "3"}, timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
     assert r.json()["usage"]["completion_tokens"] == 3

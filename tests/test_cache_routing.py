@@ -5,9 +5,8 @@ import concurrent.futures
 import threading
 import time
 
-import httpx
 
-from helpers import replicas_view, wait_until
+from helpers import HTTP, replicas_view, wait_until
 from loadtest.cluster import wait_redis
 from loadtest.simulator import PrefixCache, byte_token_ids, prompt_text
 from loadtest.workloads import shared_prefix
@@ -26,7 +25,7 @@ def router_config(sims, policy, **extra):
 
 
 def send(url, req, timeout=20):
-    r = httpx.post(url + "/v1/chat/completions", timeout=timeout,
+    r = HTTP.post(url + "/v1/chat/completions", timeout=timeout,
                    json={"model": "tiny", "messages": req.messages, "max_tokens": 2})
     assert r.status_code == 200, r.text
     return r
@@ -40,7 +39,7 @@ def run_workload(rt, requests, concurrency=4):
 def hit_rate(sims):
     hits = queries = 0
     for s in sims:
-        st = parse_metrics(httpx.get(s.url + "/metrics").text)
+        st = parse_metrics(HTTP.get(s.url + "/metrics").text)
         hits += st.prefix_hits
         queries += st.prefix_queries
     return hits / queries
@@ -99,7 +98,7 @@ def test_a_hot_prefix_spreads_once_one_replica_is_full(cluster):
     hot = shared_prefix(1, 12, 4096, 64, seed=1)
     send(rt.url, hot[0])  # the prefix is now cached on one replica
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        responses = list(pool.map(lambda q: httpx.post(rt.url + "/v1/chat/completions", timeout=20, json={
+        responses = list(pool.map(lambda q: HTTP.post(rt.url + "/v1/chat/completions", timeout=20, json={
             "model": "tiny", "messages": q.messages, "max_tokens": 30}), hot))
     used = collections.Counter(r.headers["x-kvroute-replica"] for r in responses)
     assert all(r.status_code == 200 for r in responses)
@@ -147,10 +146,10 @@ def test_a_prompt_shorter_than_a_block_is_not_a_redis_fallback(cluster, redis_pr
     sims = [cluster.sim(*SIM)]
     cfg = {**router_config(sims, "cache-aware"), "index": {"backend": f"redis://127.0.0.1:{redis_proc.port}/0"}}
     rt = cluster.router([], config=cfg)
-    r = httpx.post(rt.url + "/v1/chat/completions", timeout=20,
+    r = HTTP.post(rt.url + "/v1/chat/completions", timeout=20,
                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.status_code == 200
-    text = httpx.get(rt.url + "/metrics").text
+    text = HTTP.get(rt.url + "/metrics").text
     assert 'kvroute_routing_decisions_total{reason="load"} 1.0' in text
     assert 'reason="fallback"' not in text
 
@@ -167,7 +166,7 @@ def test_redis_dying_and_returning_fails_no_request(cluster, redis_proc):
     def client():
         i = 0
         while not stop.is_set() and i < len(work):
-            r = httpx.post(rt.url + "/v1/chat/completions", timeout=20,
+            r = HTTP.post(rt.url + "/v1/chat/completions", timeout=20,
                            json={"model": "tiny", "messages": work[i].messages, "max_tokens": 2})
             statuses.append(r.status_code)
             i += 1
@@ -180,7 +179,7 @@ def test_redis_dying_and_returning_fails_no_request(cluster, redis_proc):
     time.sleep(1.5)
     redis_proc.start()
     wait_redis(redis_proc)
-    metrics = lambda: httpx.get(rt.url + "/metrics").text
+    metrics = lambda: HTTP.get(rt.url + "/metrics").text
     wait_until(lambda: "kvroute_index_fallback 0.0" in metrics(), timeout=5)
     time.sleep(0.5)
     stop.set()

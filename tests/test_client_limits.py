@@ -5,9 +5,8 @@ from __future__ import annotations
 import socket
 import time
 
-import httpx
 
-from helpers import wait_until
+from helpers import HTTP, wait_until
 
 FAST = ["--set", "client.header_timeout_s=0.5", "--set", "client.body_timeout_s=0.5"]
 
@@ -29,7 +28,7 @@ def read_all(s: socket.socket, timeout: float = 5.0) -> bytes:
 
 
 def refused(rt, reason: str) -> float:
-    for line in httpx.get(rt.url + "/metrics").text.splitlines():
+    for line in HTTP.get(rt.url + "/metrics").text.splitlines():
         if line.startswith(f'kvroute_client_refused_total{{reason="{reason}"}}'):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
@@ -69,9 +68,9 @@ def test_a_header_larger_than_the_limit_gets_431_and_never_reaches_a_replica(clu
     except OSError:
         pass  # closed while sending: the answer was written first
     assert read_all(s).startswith(b"HTTP/1.1 431")
-    assert httpx.get(sim.url + "/sim/state").json()["counters"]["received"] == 0
+    assert HTTP.get(sim.url + "/sim/state").json()["counters"]["received"] == 0
     assert refused(rt, "header_too_large") == 1
-    ok = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+    ok = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
                     headers={"x-session-id": "s" * 4000}, timeout=5)
     assert ok.status_code == 200  # a large but reasonable header is fine
 
@@ -88,7 +87,7 @@ def test_a_header_just_past_the_limit_in_one_write_gets_431(cluster):
             pass  # closed while sending: the answer was written first
         assert read_all(s).startswith(b"HTTP/1.1 431"), size
     assert refused(rt, "header_too_large") == 3
-    assert httpx.get(sim.url + "/sim/state").json()["counters"]["received"] == 0
+    assert HTTP.get(sim.url + "/sim/state").json()["counters"]["received"] == 0
 
 
 def test_a_body_shorter_than_its_content_length_is_answered_408(cluster):
@@ -118,7 +117,7 @@ def test_connections_past_the_limit_are_closed_at_once_and_logged(cluster):
         assert refused(rt, "too_many_connections") >= 4
         wait_until(lambda: "client.max_connections connections are open" in rt.log_tail(), 5)
         # the idle ones expire after the header timeout: real requests get through again
-        wait_until(lambda: httpx.post(rt.url + "/v1/completions", timeout=5, json={
+        wait_until(lambda: HTTP.post(rt.url + "/v1/completions", timeout=5, json={
             "model": "tiny", "prompt": "x", "max_tokens": 1}).status_code == 200, timeout=5)
     finally:
         for s in idle:
@@ -136,8 +135,8 @@ def test_a_client_that_stops_reading_a_stream_is_disconnected_and_the_replica_ab
               b"content-length: %d\r\n\r\n%s" % (len(body), body))
     try:  # never read: once the socket buffers are full (some MB), the router's writes stop, then it gives up
         wait_until(lambda: refused(rt, "send_timeout") == 1, timeout=15, interval=0.2)
-        wait_until(lambda: httpx.get(sim.url + "/sim/state").json()["counters"]["aborted"] == 1, timeout=5)
-        ok = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=5)
+        wait_until(lambda: HTTP.get(sim.url + "/sim/state").json()["counters"]["aborted"] == 1, timeout=5)
+        ok = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=5)
         assert ok.status_code == 200
     finally:
         s.close()

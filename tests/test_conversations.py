@@ -1,9 +1,9 @@
 """Conversations between turns: which replica should expect which requests back."""
 
-import httpx
 import pytest
 
 from conftest import FAST
+from helpers import HTTP
 from router.conversations import PRIOR_ENDED, Conversations
 
 
@@ -144,7 +144,7 @@ def two_replicas(cluster, **config):
 
 
 def chat(rt, messages) -> str:
-    r = httpx.post(rt.url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2},
+    r = HTTP.post(rt.url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2},
                    timeout=10)
     assert r.status_code == 200
     return r.headers["x-kvroute-replica"]
@@ -167,7 +167,7 @@ def test_the_router_expects_each_conversation_back_where_its_last_turn_was_answe
     for c in range(12):
         for messages in turns(c, 2):
             last[c] = chat(rt, messages)
-    out = httpx.post(rt.url + "/admin/explain/v1/chat/completions",
+    out = HTTP.post(rt.url + "/admin/explain/v1/chat/completions",
                      json={"model": "tiny", "messages": turns(99, 1)[0]}, timeout=10).json()
     returning = {c["replica"]: c["returning"] for c in out["candidates"]}
     share = 12 / (12 + PRIOR_ENDED)  # every conversation came back once

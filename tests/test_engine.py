@@ -158,7 +158,7 @@ import time  # noqa: E402
 
 import httpx  # noqa: E402
 
-from helpers import cached, chat, predicted, replicas_view, wait_until  # noqa: E402
+from helpers import HTTP, cached, chat, predicted, replicas_view, wait_until  # noqa: E402
 from loadtest.cluster import free_ports  # noqa: E402
 
 
@@ -218,7 +218,7 @@ def test_profiles_are_derived_from_the_model_and_the_devices():
 def test_the_stand_in_takes_a_profile_and_reports_its_cache(cluster):
     from loadtest.profiles import PROFILES
     sim = cluster.sim("--profile", "gaudi2-tp8")
-    metrics = httpx.get(sim.url + "/metrics", timeout=5).text
+    metrics = HTTP.get(sim.url + "/metrics", timeout=5).text
     p = PROFILES["gaudi2-tp8"]
     assert 'block_size="128"' in metrics and f'num_gpu_blocks="{p.num_gpu_blocks}"' in metrics
 
@@ -315,7 +315,7 @@ def test_one_process_serves_several_replicas_on_consecutive_ports_behind_a_route
     host = cluster.sim("--replicas", "3", "--profile", "aurora-pvc-tp1", "--time-scale", "0.1", port=base)
     urls = [f"http://127.0.0.1:{base + i}" for i in range(3)]
     for u in urls:
-        httpx.get(u + "/health", timeout=5).raise_for_status()
+        HTTP.get(u + "/health", timeout=5).raise_for_status()
     rt = cluster.router(urls, "--policy", "round-robin")
     wait_until(lambda: all(r["ready"] for r in replicas_view(rt).values()), 10)
     with httpx.Client(timeout=30) as c:

@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from helpers import wait_until
+from helpers import HTTP, wait_until
 from loadtest.cluster import free_port
 
 
@@ -29,14 +29,14 @@ def one(cluster):
 
 def test_malformed_json_is_400(one):
     _, rt = one
-    r = httpx.post(rt.url + "/v1/chat/completions", content=b'{"model": "tiny", "messages": [',
+    r = HTTP.post(rt.url + "/v1/chat/completions", content=b'{"model": "tiny", "messages": [',
                    headers={"content-type": "application/json"})
     assert_openai_error(r, 400, "invalid_json")
 
 
 def test_body_that_is_not_an_object_is_400(one):
     _, rt = one
-    assert_openai_error(httpx.post(rt.url + "/v1/completions", json=[1, 2]), 400, "invalid_json")
+    assert_openai_error(HTTP.post(rt.url + "/v1/completions", json=[1, 2]), 400, "invalid_json")
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -48,13 +48,13 @@ def test_body_that_is_not_an_object_is_400(one):
 ])
 def test_missing_or_wrong_required_fields_are_400(one, path, body, param):
     _, rt = one
-    err = assert_openai_error(httpx.post(rt.url + path, json=body), 400)
+    err = assert_openai_error(HTTP.post(rt.url + path, json=body), 400)
     assert err["param"] == param
 
 
 def test_unknown_model_is_404(one):
     _, rt = one
-    err = assert_openai_error(httpx.post(rt.url + "/v1/completions", json={"model": "nope", "prompt": "x"}), 404,
+    err = assert_openai_error(HTTP.post(rt.url + "/v1/completions", json={"model": "nope", "prompt": "x"}), 404,
                               "model_not_found")
     assert err["param"] == "model"
 
@@ -62,7 +62,7 @@ def test_unknown_model_is_404(one):
 def test_body_over_the_limit_is_413(one):
     _, rt = one
     big = {"model": "tiny", "prompt": "x" * 5000}
-    assert_openai_error(httpx.post(rt.url + "/v1/completions", json=big), 413, "request_too_large")
+    assert_openai_error(HTTP.post(rt.url + "/v1/completions", json=big), 413, "request_too_large")
 
 
 def test_chunked_body_over_the_limit_is_413(one):
@@ -70,25 +70,25 @@ def test_chunked_body_over_the_limit_is_413(one):
     def gen():
         for _ in range(10):
             yield b"x" * 1000
-    assert_openai_error(httpx.post(rt.url + "/v1/completions", content=gen()), 413, "request_too_large")
+    assert_openai_error(HTTP.post(rt.url + "/v1/completions", content=gen()), 413, "request_too_large")
 
 
 def test_no_ready_replica_is_503(cluster):
     rt = cluster.router([f"http://127.0.0.1:{free_port()}"], wait_ready=False)
-    assert_openai_error(httpx.get(rt.url + "/ready"), 503, "no_ready_replica")
-    r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert_openai_error(HTTP.get(rt.url + "/ready"), 503, "no_ready_replica")
+    r = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
     assert_openai_error(r, 503, "no_ready_replica")
     assert r.headers["retry-after"] == "1"
 
 
 def test_unknown_route_is_an_openai_shaped_404(one):
     _, rt = one
-    assert_openai_error(httpx.get(rt.url + "/v1/nothing"), 404)
+    assert_openai_error(HTTP.get(rt.url + "/v1/nothing"), 404)
 
 
 def slow_request(url: str, out: list, max_tokens: int = 40) -> threading.Thread:
     def run():
-        out.append(httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x",
+        out.append(HTTP.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x",
                                                            "max_tokens": max_tokens}, timeout=20))
     t = threading.Thread(target=run)
     t.start()
@@ -104,7 +104,7 @@ def queue_cluster(cluster, size: int, timeout: float):
 
 
 def inflight_and_queue(rt):
-    body = httpx.get(rt.url + "/admin/replicas").json()
+    body = HTTP.get(rt.url + "/admin/replicas").json()
     return body["replicas"][0]["inflight"], body["queue_length"]
 
 
@@ -115,7 +115,7 @@ def test_full_queue_is_429_with_retry_after(cluster):
     wait_until(lambda: inflight_and_queue(rt) == (1, 0), timeout=3)
     second = slow_request(rt.url, out)
     wait_until(lambda: inflight_and_queue(rt) == (1, 1), timeout=3)
-    r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+    r = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
     assert_openai_error(r, 429, "router_queue_full")
     assert int(r.headers["retry-after"]) >= 1
     first.join()
@@ -129,7 +129,7 @@ def test_queue_wait_longer_than_the_timeout_is_429(cluster):
     first = slow_request(rt.url, out, max_tokens=200)
     wait_until(lambda: inflight_and_queue(rt) == (1, 0), timeout=3)
     start = time.monotonic()
-    r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+    r = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
     waited = time.monotonic() - start
     assert_openai_error(r, 429, "router_queue_timeout")
     assert "retry-after" in r.headers
@@ -145,7 +145,7 @@ def test_queue_is_first_in_first_out(cluster):
     wait_until(lambda: inflight_and_queue(rt)[0] == 1, timeout=3)
     order = []
     def queued(i):
-        r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+        r = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
                        timeout=20)
         order.append((i, r.status_code))
     for i in range(4):

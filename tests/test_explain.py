@@ -1,9 +1,8 @@
 """POST /admin/explain/<endpoint>: where a request would go and why, without sending it."""
 
-import httpx
 
 from conftest import FAST
-from helpers import sim_state
+from helpers import HTTP, sim_state
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 40  # about 28 blocks of 64 bytes
 BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
@@ -17,12 +16,12 @@ def two_replicas(cluster, **config):
 
 
 def explain(rt, body=BODY, path="/v1/completions", **kw):
-    return httpx.post(rt.url + "/admin/explain" + path, json=body, timeout=10, **kw)
+    return HTTP.post(rt.url + "/admin/explain" + path, json=body, timeout=10, **kw)
 
 
 def test_the_replica_holding_the_prompt_is_best_and_the_answer_says_by_how_much(cluster):
     _, rt = two_replicas(cluster)
-    served = httpx.post(rt.url + "/v1/completions", json=BODY, timeout=10).headers["x-kvroute-replica"]
+    served = HTTP.post(rt.url + "/v1/completions", json=BODY, timeout=10).headers["x-kvroute-replica"]
     out = explain(rt).json()
     assert out["best"] == [served] and out["filtered"] == []
     holder, other = out["candidates"]  # best first
@@ -43,7 +42,7 @@ def test_explaining_sends_nothing_and_records_nothing(cluster):
 
 def test_a_drained_replica_is_listed_with_the_filter_that_left_it_out(cluster):
     _, rt = two_replicas(cluster)
-    assert httpx.post(rt.url + "/admin/replicas/a/drain").status_code == 200
+    assert HTTP.post(rt.url + "/admin/replicas/a/drain").status_code == 200
     out = explain(rt).json()
     assert out["filtered"] == [{"replica": "a", "filter": "not-drained"}]
     assert [c["replica"] for c in out["candidates"]] == ["b"] and out["best"] == ["b"]
@@ -52,7 +51,7 @@ def test_a_drained_replica_is_listed_with_the_filter_that_left_it_out(cluster):
 def test_a_chat_request_is_explained_like_the_chat_endpoint_keys_it(cluster):
     _, rt = two_replicas(cluster)
     chat = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2}
-    served = httpx.post(rt.url + "/v1/chat/completions", json=chat, timeout=10).headers["x-kvroute-replica"]
+    served = HTTP.post(rt.url + "/v1/chat/completions", json=chat, timeout=10).headers["x-kvroute-replica"]
     assert explain(rt, chat, "/v1/chat/completions").json()["best"] == [served]
     assert explain(rt, BODY).json()["candidates"][0]["cached_tokens"] == 0  # the same text as a completion: another key
 

@@ -9,18 +9,17 @@ from __future__ import annotations
 import json
 import sys
 
-import httpx
 import pytest
 
 from conftest import FAST
-from helpers import replicas_view, set_faults, sim_state, sse_events
+from helpers import HTTP, replicas_view, set_faults, sim_state, sse_events
 from loadtest.cluster import Proc, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def stream(rt, path: str, body: dict) -> tuple[str, list[dict | str]]:
-    r = httpx.post(rt.url + path, json={"model": "tiny", "stream": True, **body}, timeout=30)
+    r = HTTP.post(rt.url + path, json={"model": "tiny", "stream": True, **body}, timeout=30)
     if r.status_code != 200:
         return r.headers.get("x-kvroute-replica", ""), []
     events = [e if e == "[DONE]" else json.loads(e) for e in sse_events(r.content)]
@@ -49,7 +48,7 @@ def text_of(events: list[dict | str]) -> list[str]:
 
 
 def failovers(rt, outcome: str) -> float:
-    for line in httpx.get(rt.url + "/metrics").text.splitlines():
+    for line in HTTP.get(rt.url + "/metrics").text.splitlines():
         if line.startswith(f'kvroute_stream_failovers_total{{outcome="{outcome}"}}'):
             return float(line.split()[-1])
     return 0.0
@@ -76,7 +75,7 @@ def test_a_broken_completion_stream_continues_with_the_text_so_far_appended_to_t
     assert sent["max_tokens"] == 7 and sent["echo"] is False
     usage = events[-2]["usage"]
     assert usage["completion_tokens"] == 12 and usage["total_tokens"] == usage["prompt_tokens"] + 12
-    direct = httpx.post(good.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
+    direct = HTTP.post(good.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
                         timeout=10).json()["usage"]["prompt_tokens"]
     assert abs(usage["prompt_tokens"] - direct) <= 2  # the continuation's prompt less the tokens it carried
     assert len({e["id"] for e in events[:-1]}) == 1 and len({e["created"] for e in events[:-1]}) == 1
@@ -134,7 +133,7 @@ def test_a_stream_broken_after_its_last_token_ends_with_the_usage_the_client_ask
                                                   "stream_options": {"include_usage": True}})
     assert events[-1] == "[DONE]" and len(text_of(events)) == 4
     assert events[-2]["usage"]["completion_tokens"] == 4 and events[-2]["id"] == events[0]["id"]
-    assert "kvroute_retries_total{" not in httpx.get(rt.url + "/metrics").text  # nothing was sent again
+    assert "kvroute_retries_total{" not in HTTP.get(rt.url + "/metrics").text  # nothing was sent again
 
 
 def test_a_stream_with_logprobs_is_not_continued(pair):
@@ -194,7 +193,7 @@ def test_half_an_event_from_the_broken_replica_never_reaches_the_client(cluster)
 def test_an_event_stream_answering_a_json_request_is_read_whole_and_retried_when_it_breaks(cluster):
     rt, bad, good = bad_and_good(cluster, "truncated_chunked")
     for _ in range(6):  # whichever replica each lands on first
-        r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=10)
+        r = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=10)
         assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.content[:200]
         assert r.json()["choices"][0]["text"]
 
@@ -204,7 +203,7 @@ def test_a_stream_does_not_pass_on_the_replicas_content_length(cluster):
     # event, with no length that those would contradict
     rt, bad, good = bad_and_good(cluster, "invalid_sse")
     for _ in range(10):
-        r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2,
+        r = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2,
                                                          "stream": True}, timeout=10)
         assert "content-length" not in r.headers
         if r.headers["x-kvroute-replica"] == f"127.0.0.1:{bad.port}":

@@ -7,11 +7,11 @@ import time
 import httpx
 import openai
 
-from helpers import replicas_view, set_faults, sim_state, sse_events, wait_until
+from helpers import HTTP, replicas_view, set_faults, sim_state, sse_events, wait_until
 
 
 def complete(url: str, **extra) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, **extra},
+    return HTTP.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, **extra},
                       timeout=10)
 
 
@@ -28,7 +28,7 @@ def kill_under_load(cluster, *router_args: str):
         while not stop.is_set():
             sent = time.monotonic()
             try:
-                r = httpx.post(rt.url + "/v1/chat/completions", timeout=10, json={
+                r = HTTP.post(rt.url + "/v1/chat/completions", timeout=10, json={
                     "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20,
                     "stream": True})
                 events, replica = sse_events(r.content), r.headers.get("x-kvroute-replica", "")
@@ -77,7 +77,7 @@ def test_streams_on_a_killed_replica_continue_on_another_with_every_token(cluste
     on_victim = [ev for _, rep, ev in results if rep == victim]
     ids = [{json.loads(e)["id"] for e in ev[:-1]} for ev in on_victim]
     assert all(len(i) == 1 for i in ids)  # one id through both parts
-    metrics = httpx.get(rt.url + "/metrics").text
+    metrics = HTTP.get(rt.url + "/metrics").text
     resumed = [line for line in metrics.splitlines() if line.startswith('kvroute_stream_failovers_total{outcome="completed"}')]
     assert resumed and float(resumed[0].split()[-1]) >= 1, "some streams must have been in flight on the killed replica"
 
@@ -88,7 +88,7 @@ def test_without_stream_failover_streams_on_a_killed_replica_end_with_an_error_e
     assert broken, "some streams must have been in flight on the killed replica"
     for ev in broken:
         assert json.loads(ev[-2])["error"]["code"] == "upstream_disconnected" and ev[-1] == "[DONE]"
-    assert 'kvroute_stream_failovers_total{outcome="not_resumable"}' in httpx.get(rt.url + "/metrics").text
+    assert 'kvroute_stream_failovers_total{outcome="not_resumable"}' in HTTP.get(rt.url + "/metrics").text
 
 
 def test_connection_refused_is_retried_on_another_replica(cluster):
@@ -149,7 +149,7 @@ def test_attempts_are_bounded(cluster):
 def test_client_errors_pass_through_unchanged_and_do_not_hurt_health(cluster):
     sim = cluster.sim()
     rt = cluster.router([sim], "--set", "health.fail_threshold=1")
-    direct = httpx.post(sim.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 100000})
+    direct = HTTP.post(sim.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 100000})
     for _ in range(5):
         r = complete(rt.url, max_tokens=100000)
         assert r.status_code == 400
@@ -204,7 +204,7 @@ def test_replica_restart_is_detected_from_its_start_time(cluster):
     sim.start()
     sim.wait_http()
     wait_until(lambda: replicas_view(rt)[sim.url]["restarts"] == 1, timeout=5)
-    metrics = httpx.get(rt.url + "/metrics").text
+    metrics = HTTP.get(rt.url + "/metrics").text
     assert 'kvroute_replica_restarts_total{replica="127.0.0.1:%d"} 1.0' % sim.port in metrics
 
 
@@ -213,19 +213,19 @@ def test_a_json_answer_cut_short_is_answered_by_another_replica_and_not_logged_a
     rt = cluster.router([cut, good])
     cut_name = f"127.0.0.1:{cut.port}"
     for i in range(8):
-        r = httpx.post(rt.url + "/v1/completions", timeout=10, headers={"x-session-id": f"s{i}"},
+        r = HTTP.post(rt.url + "/v1/completions", timeout=10, headers={"x-session-id": f"s{i}"},
                        json={"model": "tiny", "prompt": f"p{i}", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert r.headers["x-kvroute-replica"] != cut_name
-    assert httpx.get(cut.url + "/sim/state").json()["counters"]["received"] >= 1  # it was tried
+    assert HTTP.get(cut.url + "/sim/state").json()["counters"]["received"] >= 1  # it was tried
     log = rt.log_tail(100_000)
     assert "internal error" not in log and "Traceback" not in log
     assert "cut short before it reached the client" in log
-    assert f'kvroute_upstream_errors_total{{kind="body_broken",replica="{cut_name}"}}' in httpx.get(rt.url + "/metrics").text
+    assert f'kvroute_upstream_errors_total{{kind="body_broken",replica="{cut_name}"}}' in HTTP.get(rt.url + "/metrics").text
 
 
 def _stream(rt, i: int) -> tuple[str, list[str]]:
-    r = httpx.post(rt.url + "/v1/chat/completions", timeout=30, json={
+    r = HTTP.post(rt.url + "/v1/chat/completions", timeout=30, json={
         "model": "tiny", "messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 8, "stream": True})
     return r.headers.get("x-kvroute-replica", ""), sse_events(r.content)
 
@@ -244,7 +244,7 @@ def test_a_replica_that_breaks_every_stream_is_taken_out_of_rotation_and_back_af
     assert all(_stream(rt, 50 + i)[0] != bad_name for i in range(10))
     view = replicas_view(rt)[bad.url]
     assert view["state"] == "unready" and "ejected" in view["last_error"]
-    assert f'kvroute_replica_ejections_total{{replica="{bad_name}"}} 1.0' in httpx.get(rt.url + "/metrics").text
+    assert f'kvroute_replica_ejections_total{{replica="{bad_name}"}} 1.0' in HTTP.get(rt.url + "/metrics").text
     set_faults(bad, die_after_chunks=-1)  # mended: back once its time is over and /health answers
     wait_until(lambda: replicas_view(rt)[bad.url]["state"] == "ready", timeout=10, interval=0.2)
     assert bad_name in {_stream(rt, 100 + i)[0] for i in range(20)}

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from helpers import Load, openai_streams_through_a_kill, replicas_view, sim_state, wait_until
+from helpers import HTTP, Load, openai_streams_through_a_kill, replicas_view, sim_state, wait_until
 from loadtest.bad_replica import MODES
 from loadtest.cluster import Proc, free_port, redis_server, wait_redis
 
@@ -27,7 +27,7 @@ PACED = ("--ttft-ms", "5", "--itl-ms", "10")
 
 
 def metric(rt: Proc, line_start: str) -> float:
-    for line in httpx.get(rt.url + "/metrics", timeout=5).text.splitlines():
+    for line in HTTP.get(rt.url + "/metrics", timeout=5).text.splitlines():
         if line.startswith(line_start):
             return float(line.split()[-1])
     return 0.0
@@ -186,7 +186,7 @@ def test_a_burst_far_above_capacity_is_queued_or_refused_with_429_and_nothing_el
 
     def one(i: int) -> None:
         try:
-            r = httpx.post(rt.url + "/v1/completions", timeout=30,
+            r = HTTP.post(rt.url + "/v1/completions", timeout=30,
                            json={"model": "tiny", "prompt": f"burst {i}", "max_tokens": 8})
             code = r.json()["error"]["code"] if r.status_code != 200 else ""
             with lock:
@@ -218,7 +218,7 @@ def test_sigterm_under_load_turns_ready_503_first_and_lets_streams_finish(cluste
     def poll() -> None:
         while not stop.is_set():
             try:
-                ready.append((time.monotonic(), httpx.get(rt.url + "/ready", timeout=1).status_code))
+                ready.append((time.monotonic(), HTTP.get(rt.url + "/ready", timeout=1).status_code))
             except httpx.HTTPError:
                 ready.append((time.monotonic(), -1))
             time.sleep(0.1)

@@ -14,7 +14,7 @@ import pytest
 
 from loadtest.tiny_model import write_tokenizer
 from conftest import FAST
-from helpers import cached, chat, predicted, replicas_view, run_with_bypass, set_faults, text, wait_until
+from helpers import HTTP, cached, chat, predicted, replicas_view, run_with_bypass, set_faults, text, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,7 +29,7 @@ def events_sim(cluster, root, *extra):
 
 
 def sim_events(sim):
-    return httpx.get(sim.url + "/sim/state", timeout=2).json()
+    return HTTP.get(sim.url + "/sim/state", timeout=2).json()
 
 
 def index_of(rt, sim):
@@ -131,7 +131,7 @@ def test_a_replica_restart_empties_its_entries(cluster, model_root):
         chat(c, sim.url, prompt)
         wait_applied(rt, [sim])
         assert index_of(rt, sim)["event_blocks_held"] > 0
-        httpx.post(sim.url + "/sim/restart", timeout=2).raise_for_status()
+        HTTP.post(sim.url + "/sim/restart", timeout=2).raise_for_status()
         wait_until(lambda: index_of(rt, sim)["event_blocks_held"] == 0, 5)
         r = chat(c, rt.url, prompt)
         assert predicted(r) == cached(r) == 0
@@ -150,7 +150,7 @@ def test_a_sequence_number_going_back_is_a_restart(cluster, model_root):
             wait_until(lambda: sim_events(sim)["kv_events"]["pending"] == 0, 2)
         chat(c, sim.url, old)
         wait_applied(rt, [sim])
-        httpx.post(sim.url + "/sim/restart", timeout=2).raise_for_status()
+        HTTP.post(sim.url + "/sim/restart", timeout=2).raise_for_status()
         chat(c, sim.url, new)
         wait_until(lambda: source_of(rt, sim)["restarts"] == 1, 5)
         wait_applied(rt, [sim])

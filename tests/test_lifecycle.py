@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from helpers import refused, sse_events, wait_until
+from helpers import HTTP, refused, sse_events, wait_until
 
 
 def stream_running(rt, sim, max_tokens: int) -> tuple[threading.Thread, list[list[str]]]:
@@ -16,13 +16,13 @@ def stream_running(rt, sim, max_tokens: int) -> tuple[threading.Thread, list[lis
     out: list[list[str]] = []
 
     def stream() -> None:
-        r = httpx.post(rt.url + "/v1/chat/completions", timeout=20, json={
+        r = HTTP.post(rt.url + "/v1/chat/completions", timeout=20, json={
             "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": max_tokens, "stream": True})
         out.append(sse_events(r.content))
 
     t = threading.Thread(target=stream)
     t.start()
-    wait_until(lambda: httpx.get(sim.url + "/sim/state").json()["counters"]["running"] == 1, timeout=3)
+    wait_until(lambda: HTTP.get(sim.url + "/sim/state").json()["counters"]["running"] == 1, timeout=3)
     return t, out
 
 
@@ -33,7 +33,7 @@ def test_sigterm_lets_inflight_streams_finish_and_refuses_new_connections(cluste
     rt.signal(signal.SIGTERM)
     time.sleep(0.2)
     with pytest.raises(httpx.ConnectError):
-        httpx.get(rt.url + "/health", timeout=1)
+        HTTP.get(rt.url + "/health", timeout=1)
     t.join(10)
     assert out and out[0][-1] == "[DONE]" and len(out[0]) == 1 + 30 + 1
     assert rt.popen.wait(10) == 0
@@ -42,7 +42,7 @@ def test_sigterm_lets_inflight_streams_finish_and_refuses_new_connections(cluste
 def test_sigterm_ends_streams_that_outlast_the_grace_period_with_an_error_event(cluster):
     sim = cluster.sim("--ttft-ms", "5", "--itl-ms", "100")
     rt = cluster.router([sim], "--set", "shutdown_grace_s=0.5")
-    with httpx.stream("POST", rt.url + "/v1/chat/completions", timeout=20, json={
+    with HTTP.stream("POST", rt.url + "/v1/chat/completions", timeout=20, json={
             "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "stream": True}) as r:
         chunks = r.iter_raw()
         raw = next(chunks)
@@ -55,33 +55,33 @@ def test_sigterm_ends_streams_that_outlast_the_grace_period_with_an_error_event(
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down"
     assert rt.popen.wait(5) == 0
     assert "Traceback" not in rt.log_tail()
-    wait_until(lambda: httpx.get(sim.url + "/sim/state").json()["counters"]["aborted"] == 1, timeout=2)
+    wait_until(lambda: HTTP.get(sim.url + "/sim/state").json()["counters"]["aborted"] == 1, timeout=2)
 
 
 def test_drained_replica_gets_no_new_requests_and_undrain_restores_it(cluster):
     a, b = cluster.sim(), cluster.sim()
     rt = cluster.router([], config={"replicas": [{"name": "a", "url": a.url}, {"name": "b", "url": b.url}]})
-    r = httpx.post(rt.url + "/admin/replicas/a/drain")
+    r = HTTP.post(rt.url + "/admin/replicas/a/drain")
     assert r.status_code == 200 and r.json()["drained"] is True
     body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
-    assert {httpx.post(rt.url + "/v1/completions", json=body).headers["x-kvroute-replica"] for _ in range(20)} == {"b"}
-    httpx.post(rt.url + "/admin/replicas/a/undrain").raise_for_status()
-    assert "a" in {httpx.post(rt.url + "/v1/completions", json=body).headers["x-kvroute-replica"] for _ in range(30)}
+    assert {HTTP.post(rt.url + "/v1/completions", json=body).headers["x-kvroute-replica"] for _ in range(20)} == {"b"}
+    HTTP.post(rt.url + "/admin/replicas/a/undrain").raise_for_status()
+    assert "a" in {HTTP.post(rt.url + "/v1/completions", json=body).headers["x-kvroute-replica"] for _ in range(30)}
 
 
 def test_draining_every_replica_makes_the_router_unready(cluster):
     a = cluster.sim()
     rt = cluster.router([], config={"replicas": [{"name": "a", "url": a.url}]})
-    httpx.post(rt.url + "/admin/replicas/a/drain").raise_for_status()
-    assert httpx.get(rt.url + "/ready").status_code == 503
-    r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+    HTTP.post(rt.url + "/admin/replicas/a/drain").raise_for_status()
+    assert HTTP.get(rt.url + "/ready").status_code == 503
+    r = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_ready_replica"
 
 
 def test_unknown_replica_in_admin_is_404(cluster):
     a = cluster.sim()
     rt = cluster.router([a])
-    r = httpx.post(rt.url + "/admin/replicas/ghost/drain")
+    r = HTTP.post(rt.url + "/admin/replicas/ghost/drain")
     assert r.status_code == 404 and "ghost" in r.json()["error"]["message"]
 
 
@@ -89,11 +89,11 @@ def test_replica_that_starts_late_becomes_ready_when_it_answers(cluster):
     from loadtest.cluster import free_port
     port = free_port()
     rt = cluster.router([f"http://127.0.0.1:{port}"], "--set", "health.interval_s=0.2", wait_ready=False)
-    assert httpx.get(rt.url + "/ready").status_code == 503
-    view = httpx.get(rt.url + "/admin/replicas").json()["replicas"][0]
+    assert HTTP.get(rt.url + "/ready").status_code == 503
+    view = HTTP.get(rt.url + "/admin/replicas").json()["replicas"][0]
     assert view["state"] == "starting"
     cluster.sim(port=port)
-    took = wait_until(lambda: httpx.get(rt.url + "/ready").status_code == 200, timeout=3)
+    took = wait_until(lambda: HTTP.get(rt.url + "/ready").status_code == 200, timeout=3)
     assert took < 1.0
 
 
@@ -107,11 +107,11 @@ def test_sigterm_turns_ready_to_503_while_requests_are_still_served_when_somethi
     t, out = stream_running(rt, sim, 40)
     rt.signal(signal.SIGTERM)
     time.sleep(0.1)
-    r = httpx.get(rt.url + "/ready", timeout=2)
+    r = HTTP.get(rt.url + "/ready", timeout=2)
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
     # still served: the balancer has not seen the 503 yet (with polls 0.4 s apart the window was 0.8 s, and
     # a loaded CI machine once took longer than that to send this request)
-    assert httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+    assert HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
                       timeout=5).status_code == 200
     wait_until(lambda: refused(rt.url + "/health"), timeout=5)  # then the listener closes (two polls: ~2 s)
     t.join(10)

@@ -6,9 +6,8 @@ import json
 import threading
 import time
 
-import httpx
 
-from helpers import replica_names as names, replicas_view, sse_events, wait_until
+from helpers import HTTP, replica_names as names, replicas_view, sse_events, wait_until
 
 ADMIN = "/admin/replicas"
 
@@ -17,7 +16,7 @@ ADMIN = "/admin/replicas"
 def served_by(rt, n: int = 30) -> set[str]:
     out = set()
     for i in range(n):
-        r = httpx.post(rt.url + "/v1/completions", timeout=10,
+        r = HTTP.post(rt.url + "/v1/completions", timeout=10,
                        json={"model": "tiny", "prompt": f"question {i} " * 40, "max_tokens": 2})
         assert r.status_code == 200, r.text
         out.add(r.headers["x-kvroute-replica"])
@@ -27,7 +26,7 @@ def served_by(rt, n: int = 30) -> set[str]:
 def test_a_replica_registered_through_the_admin_api_joins_and_takes_traffic(cluster):
     a, b = cluster.sim(), cluster.sim()
     rt = cluster.router([a])
-    r = httpx.post(rt.url + ADMIN, json={"name": "late", "url": b.url, "max_num_seqs": 8}, timeout=5)
+    r = HTTP.post(rt.url + ADMIN, json={"name": "late", "url": b.url, "max_num_seqs": 8}, timeout=5)
     assert r.status_code == 201, r.text
     assert r.json()["source"] == "admin" and r.json()["max_num_seqs"] == 8
     wait_until(lambda: replicas_view(rt)[b.url]["state"] == "ready", timeout=10)
@@ -36,17 +35,17 @@ def test_a_replica_registered_through_the_admin_api_joins_and_takes_traffic(clus
 
 def test_a_registration_with_an_invalid_field_is_refused_naming_it(cluster):
     rt = cluster.router([cluster.sim()])
-    r = httpx.post(rt.url + ADMIN, json={"url": "http://127.0.0.1:9", "max_num_seqs": 0}, timeout=5)
+    r = HTTP.post(rt.url + ADMIN, json={"url": "http://127.0.0.1:9", "max_num_seqs": 0}, timeout=5)
     assert r.status_code == 400
     assert "replica.max_num_seqs" in r.json()["error"]["message"]
-    r = httpx.post(rt.url + ADMIN, json={"max_num_seqs": 4}, timeout=5)
+    r = HTTP.post(rt.url + ADMIN, json={"max_num_seqs": 4}, timeout=5)
     assert r.status_code == 400 and "replica.url" in r.json()["error"]["message"]
 
 
 def test_registering_a_name_twice_is_a_conflict(cluster):
     a = cluster.sim()
     rt = cluster.router([a])
-    r = httpx.post(rt.url + ADMIN, json={"url": a.url}, timeout=5)
+    r = HTTP.post(rt.url + ADMIN, json={"url": a.url}, timeout=5)
     assert r.status_code == 409 and "already registered" in r.json()["error"]["message"]
 
 
@@ -57,29 +56,29 @@ def test_deleting_a_replica_drains_it_then_removes_it_with_its_metric_series(clu
     out: list[list[str]] = []
 
     def stream() -> None:  # a request running on the replica when it is deleted
-        r = httpx.post(rt.url + "/v1/chat/completions", timeout=20, headers={"x-session-id": "s"}, json={
+        r = HTTP.post(rt.url + "/v1/chat/completions", timeout=20, headers={"x-session-id": "s"}, json={
             "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 30, "stream": True})
         out.append([r.headers["x-kvroute-replica"], *sse_events(r.content)])
 
     # route the stream to the replica that will leave: drain the other one for a moment
-    httpx.post(rt.url + f"{ADMIN}/127.0.0.1:{b.port}/drain", timeout=5)
+    HTTP.post(rt.url + f"{ADMIN}/127.0.0.1:{b.port}/drain", timeout=5)
     t = threading.Thread(target=stream)
     t.start()
-    wait_until(lambda: httpx.get(a.url + "/sim/state").json()["counters"]["running"] == 1, timeout=5)
-    httpx.post(rt.url + f"{ADMIN}/127.0.0.1:{b.port}/undrain", timeout=5)
-    r = httpx.delete(rt.url + f"{ADMIN}/{gone}", timeout=5)
+    wait_until(lambda: HTTP.get(a.url + "/sim/state").json()["counters"]["running"] == 1, timeout=5)
+    HTTP.post(rt.url + f"{ADMIN}/127.0.0.1:{b.port}/undrain", timeout=5)
+    r = HTTP.delete(rt.url + f"{ADMIN}/{gone}", timeout=5)
     assert r.status_code == 202 and r.json()["removing"] is True
     assert gone not in served_by(rt, 10)  # no new requests while it drains
     assert gone in names(rt)  # still there: a request runs on it
     t.join(10)
     assert out[0][0] == gone and out[0][-1] == "[DONE]" and len(out[0]) == 1 + 1 + 30 + 1
     wait_until(lambda: gone not in names(rt), timeout=5)
-    assert f'replica="{gone}"' not in httpx.get(rt.url + "/metrics").text
+    assert f'replica="{gone}"' not in HTTP.get(rt.url + "/metrics").text
 
 
 def test_deleting_an_unknown_replica_is_not_found(cluster):
     rt = cluster.router([cluster.sim()])
-    r = httpx.delete(rt.url + f"{ADMIN}/nobody", timeout=5)
+    r = HTTP.delete(rt.url + f"{ADMIN}/nobody", timeout=5)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
@@ -103,7 +102,7 @@ def test_with_redis_a_replica_registered_on_one_router_is_used_by_all_and_surviv
     a, b = cluster.sim(), cluster.sim()
     index = ["--index", f"redis://127.0.0.1:{redis_proc.port}/0", "--set", "membership.sync_interval_s=0.2"]
     one, two = cluster.router([a], *index), cluster.router([a], *index)
-    r = httpx.post(one.url + ADMIN, json={"name": "shared", "url": b.url}, timeout=5)
+    r = HTTP.post(one.url + ADMIN, json={"name": "shared", "url": b.url}, timeout=5)
     assert r.status_code == 201, r.text
     wait_until(lambda: "shared" in names(two), timeout=5)
     wait_until(lambda: replicas_view(two)[b.url]["state"] == "ready", timeout=10)
@@ -111,7 +110,7 @@ def test_with_redis_a_replica_registered_on_one_router_is_used_by_all_and_surviv
     two.restart()
     two.wait_http("/ready", timeout=15)
     assert "shared" in names(two)  # read from Redis at start
-    assert httpx.delete(two.url + f"{ADMIN}/shared", timeout=5).status_code == 202
+    assert HTTP.delete(two.url + f"{ADMIN}/shared", timeout=5).status_code == 202
     wait_until(lambda: "shared" not in names(one) and "shared" not in names(two), timeout=5)
 
 
@@ -120,7 +119,7 @@ def test_a_replicas_key_is_not_written_to_redis(cluster, redis_proc):
 
     b = cluster.sim("--api-key", "replica-secret-1")
     rt = cluster.router([cluster.sim()], "--index", f"redis://127.0.0.1:{redis_proc.port}/0")
-    r = httpx.post(rt.url + ADMIN, json={"name": "keyed", "url": b.url, "api_key": "replica-secret-1"}, timeout=5)
+    r = HTTP.post(rt.url + ADMIN, json={"name": "keyed", "url": b.url, "api_key": "replica-secret-1"}, timeout=5)
     assert r.status_code == 201, r.text
     assert "replica-secret-1" not in r.text
     wait_until(lambda: replicas_view(rt)[b.url]["state"] == "ready", timeout=10)  # this router uses the key
@@ -133,7 +132,7 @@ def test_a_replica_registered_while_it_warms_up_is_starting_then_joins_without_a
     warming = cluster.sim("--warmup-s", "3", wait=False)
     rt = cluster.router([cluster.sim()], "--set", "health.interval_s=0.2")
     before = rt.log_tail(100_000)
-    assert httpx.post(rt.url + ADMIN, json={"name": "warming", "url": warming.url}, timeout=5).status_code == 201
+    assert HTTP.post(rt.url + ADMIN, json={"name": "warming", "url": warming.url}, timeout=5).status_code == 201
     assert replicas_view(rt)[warming.url]["state"] == "starting"
     wait_until(lambda: replicas_view(rt)[warming.url]["state"] == "ready", timeout=15, interval=0.2)
     assert "WARNING" not in rt.log_tail(100_000)[len(before):]

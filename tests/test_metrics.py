@@ -2,15 +2,14 @@
 
 import threading
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import set_faults, wait_until
+from helpers import HTTP, set_faults, wait_until
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     out = {}
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+    for fam in text_string_to_metric_families(HTTP.get(url + "/metrics").text):
         for s in fam.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
@@ -25,7 +24,7 @@ def test_scripted_sequence(cluster):
     rt = cluster.router([], config={
         "replicas": [{"name": "a", "url": a.url}, {"name": "b", "url": b.url, "max_num_seqs": 1}],
         "policy": "round-robin", "queue": {"max_size": 0}})
-    post = lambda body: httpx.post(rt.url + "/v1/completions", json=body, timeout=10)
+    post = lambda body: HTTP.post(rt.url + "/v1/completions", json=body, timeout=10)
     ok = {"model": "tiny", "prompt": "x", "max_tokens": 2}
     for _ in range(4):  # round robin: a, b, a, b
         assert post(ok).status_code == 200
@@ -63,7 +62,7 @@ def test_inflight_queue_and_rejections_while_busy(cluster):
                                     "queue": {"max_size": 1, "timeout_s": 10}})
     results = []
     def run():
-        results.append(httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 150},
+        results.append(HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 150},
                                   timeout=20).status_code)
     threads = [threading.Thread(target=run) for _ in range(3)]
     for t in threads:
@@ -71,7 +70,7 @@ def test_inflight_queue_and_rejections_while_busy(cluster):
     wait_until(lambda: value(scrape(rt.url), "kvroute_queue_length") == 1, timeout=3)
     m = scrape(rt.url)
     assert value(m, "kvroute_inflight_requests", replica="only") == 2
-    assert httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 429
+    assert HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 429
     for t in threads:
         t.join()
     m = scrape(rt.url)

@@ -2,11 +2,10 @@
 
 import re
 
-import httpx
 import openai
 import pytest
 
-from helpers import sse_events
+from helpers import HTTP, sse_events
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
 
@@ -70,8 +69,8 @@ def test_stream_bytes_pass_through_unchanged(pair):
     body = {"model": "tiny", "messages": CHAT, "max_tokens": 5, "stream": True,
             "stream_options": {"include_usage": True}}
     scrub = lambda raw: re.sub(rb'"(id|created)":("[^"]*"|\d+)', b"", raw)
-    a = httpx.post(sim.url + "/v1/chat/completions", json=body).content
-    b = httpx.post(rt.url + "/v1/chat/completions", json=body).content
+    a = HTTP.post(sim.url + "/v1/chat/completions", json=body).content
+    b = HTTP.post(rt.url + "/v1/chat/completions", json=body).content
     assert scrub(b) == scrub(a)
     assert sse_events(b)[-1] == "[DONE]"
 
@@ -81,29 +80,29 @@ def test_models_embeddings_and_tokenizer_endpoints(pair):
     assert [m.id for m in gateway.models.list()] == [m.id for m in direct.models.list()] == ["tiny"]
     emb = gateway.embeddings.create(model="tiny", input="hello world")
     assert len(emb.data[0].embedding) == 8
-    tok = httpx.post(rt.url + "/tokenize", json={"model": "tiny", "prompt": "hello world!"}).json()
-    assert tok == httpx.post(sim.url + "/tokenize", json={"model": "tiny", "prompt": "hello world!"}).json()
-    detok = httpx.post(rt.url + "/detokenize", json={"model": "tiny", "tokens": tok["tokens"]})
+    tok = HTTP.post(rt.url + "/tokenize", json={"model": "tiny", "prompt": "hello world!"}).json()
+    assert tok == HTTP.post(sim.url + "/tokenize", json={"model": "tiny", "prompt": "hello world!"}).json()
+    detok = HTTP.post(rt.url + "/detokenize", json={"model": "tiny", "tokens": tok["tokens"]})
     assert detok.status_code == 200 and "prompt" in detok.json()
 
 
 def test_every_response_names_the_replica_and_carries_a_request_id(pair):
     *_, sim, rt = pair
-    r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+    r = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
     assert r.headers["x-kvroute-replica"] == "127.0.0.1:%d" % sim.port
     assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
 
 
 def test_client_request_id_is_propagated_to_the_replica(pair):
     *_, sim, rt = pair
-    r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+    r = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
                    headers={"x-request-id": "trace-42"})
     assert r.headers["x-request-id"] == "trace-42"
-    seen = httpx.get(sim.url + "/sim/state").json()["counters"]["last_headers"]
+    seen = HTTP.get(sim.url + "/sim/state").json()["counters"]["last_headers"]
     assert seen["x-request-id"] == "trace-42"
 
 
 def test_model_may_be_omitted_when_the_pool_serves_one_model(pair):
     *_, rt = pair
-    r = httpx.post(rt.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    r = HTTP.post(rt.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert r.status_code == 200

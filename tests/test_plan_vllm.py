@@ -8,9 +8,9 @@ import subprocess
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 
+from helpers import HTTP
 from loadtest import vllm_cluster
 from loadtest.cluster import Proc
 from router import plan as P
@@ -52,7 +52,7 @@ def sized_by_vllm(home: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def test_the_planner_predicts_the_num_gpu_blocks_vllm_reports(home, sized_by_vllm):
     p = P.plan(vllm_cluster.model_dir(home), P.Target("cpu", kv_cache_space_gib=1, max_model_len=4096))
-    reported = parse_metrics(httpx.get(sized_by_vllm.url + "/metrics", timeout=10).text)
+    reported = parse_metrics(HTTP.get(sized_by_vllm.url + "/metrics", timeout=10).text)
     assert p.chosen is not None
     assert reported.block_size == p.block_size == 128
     assert p.chosen.num_gpu_blocks == reported.num_gpu_blocks

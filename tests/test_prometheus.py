@@ -22,7 +22,7 @@ import yaml
 
 from loadtest.cluster import prometheus_server, wait_redis
 from loadtest.tiny_model import write_tokenizer
-from helpers import set_faults, text, wait_until
+from helpers import HTTP, set_faults, text, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -56,7 +56,7 @@ def test_deploy_configuration_loads_the_alert_rules():
 
 
 def query(prom, expr: str) -> list[dict]:
-    r = httpx.get(prom.url + "/api/v1/query", params={"query": expr}, timeout=5)
+    r = HTTP.get(prom.url + "/api/v1/query", params={"query": expr}, timeout=5)
     body = r.json()
     assert body["status"] == "success", (expr, body)
     return body["data"]["result"]
@@ -137,7 +137,7 @@ def test_every_dashboard_panel_query_returns_data(scraped):
         deadline = time.monotonic() + 6
         while time.monotonic() < deadline and not fallback_alert:
             statuses += traffic(4)
-            fallback_alert = [a for a in httpx.get(prom.url + "/api/v1/alerts", timeout=5).json()["data"]["alerts"]
+            fallback_alert = [a for a in HTTP.get(prom.url + "/api/v1/alerts", timeout=5).json()["data"]["alerts"]
                               if a["labels"]["alertname"] == "KvrouteIndexFallback"]
         redis.start()
         wait_redis(redis)
@@ -171,13 +171,13 @@ def test_prometheus_scrapes_every_target_and_evaluates_every_rule(scraped):
             send(client, rt.url, f"hello {i}")
 
     def all_up() -> bool:
-        targets = httpx.get(prom.url + "/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
+        targets = HTTP.get(prom.url + "/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
         return len(targets) == 4 and all(t["health"] == "up" for t in targets)
 
     wait_until(all_up, timeout=15, interval=0.25)
 
     def evaluated() -> list[dict]:
-        groups = httpx.get(prom.url + "/api/v1/rules", timeout=5).json()["data"]["groups"]
+        groups = HTTP.get(prom.url + "/api/v1/rules", timeout=5).json()["data"]["groups"]
         return [r for g in groups for r in g["rules"]]
 
     wait_until(lambda: all(r.get("lastEvaluation", "").startswith("20") for r in evaluated()), 15, 0.25)

@@ -5,7 +5,7 @@ import threading
 
 import httpx
 
-from helpers import wait_until
+from helpers import HTTP, wait_until
 
 BODY = {"model": "tiny", "prompt": "x", "max_tokens": 1}
 
@@ -15,7 +15,7 @@ def test_cold_sequential_requests_spread_over_idle_replicas(cluster):
     sims = [cluster.sim() for _ in range(3)]
     rt = cluster.router(sims)
     counts = collections.Counter(
-        httpx.post(rt.url + "/v1/completions", json=BODY).headers["x-kvroute-replica"] for _ in range(60))
+        HTTP.post(rt.url + "/v1/completions", json=BODY).headers["x-kvroute-replica"] for _ in range(60))
     assert len(counts) == 3 and min(counts.values()) >= 6, counts
 
 
@@ -28,7 +28,7 @@ def test_concurrent_load_is_balanced(cluster):
         t.start()
     snapshot = {}
     def all_started():
-        body = httpx.get(rt.url + "/admin/replicas").json()
+        body = HTTP.get(rt.url + "/admin/replicas").json()
         snapshot.update({r["name"]: r["inflight"] for r in body["replicas"]})
         return sum(snapshot.values()) == 12
     wait_until(all_started, timeout=3)
@@ -40,7 +40,7 @@ def test_concurrent_load_is_balanced(cluster):
 def test_round_robin_cycles(cluster):
     sims = [cluster.sim() for _ in range(3)]
     rt = cluster.router(sims, "--policy", "round-robin")
-    seq = [httpx.post(rt.url + "/v1/completions", json=BODY).headers["x-kvroute-replica"] for _ in range(6)]
+    seq = [HTTP.post(rt.url + "/v1/completions", json=BODY).headers["x-kvroute-replica"] for _ in range(6)]
     assert seq[:3] == seq[3:] and len(set(seq[:3])) == 3
 
 
@@ -50,11 +50,11 @@ def test_requests_go_only_to_replicas_serving_the_model(cluster):
     rt = cluster.router([a, b])
     for model, sim in (("llama", a), ("qwen", b)):
         for _ in range(5):
-            r = httpx.post(rt.url + "/v1/completions", json={**BODY, "model": model})
+            r = HTTP.post(rt.url + "/v1/completions", json={**BODY, "model": model})
             assert r.headers["x-kvroute-replica"] == "127.0.0.1:%d" % sim.port
-    ids = sorted(m["id"] for m in httpx.get(rt.url + "/v1/models").json()["data"])
+    ids = sorted(m["id"] for m in HTTP.get(rt.url + "/v1/models").json()["data"])
     assert ids == ["llama", "qwen"]
-    r = httpx.post(rt.url + "/v1/completions", json={"prompt": "x"})
+    r = HTTP.post(rt.url + "/v1/completions", json={"prompt": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model", "two models: the client must choose"
 
 
@@ -63,4 +63,4 @@ def test_models_list_only_ready_replicas(cluster):
     b = cluster.sim(model="qwen")
     rt = cluster.router([a, b], "--set", "health.interval_s=0.2")
     b.kill()
-    wait_until(lambda: [m["id"] for m in httpx.get(rt.url + "/v1/models").json()["data"]] == ["llama"], timeout=2)
+    wait_until(lambda: [m["id"] for m in HTTP.get(rt.url + "/v1/models").json()["data"]] == ["llama"], timeout=2)

@@ -4,16 +4,15 @@ through Redis, and pipelines built from configuration."""
 import collections
 import time
 
-import httpx
 
 from conftest import FAST
-from helpers import set_faults
+from helpers import HTTP, set_faults
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 40  # about 28 blocks of 64 bytes
 
 
 def complete(rt, prompt=PROMPT, headers=None):
-    return httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
+    return HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
                       headers=headers, timeout=10)
 
 

@@ -9,6 +9,7 @@ import uuid
 
 import httpx
 
+from helpers import HTTP
 from router.index.resp import Redis
 
 CLIENT_KEY = "client-key-" + uuid.uuid4().hex
@@ -78,11 +79,11 @@ def test_keys_and_prompts_never_leave_the_request(cluster, redis_proc):
 def test_the_admin_api_refuses_without_its_key_even_from_loopback_and_relayed_requests_without_one(cluster):
     sim = cluster.sim()
     keyed = cluster.router([sim], config={"auth": {"admin_key": ADMIN_KEY}})
-    assert httpx.get(keyed.url + "/admin/replicas").status_code == 401
-    assert httpx.post(keyed.url + "/admin/replicas", json={"url": "http://127.0.0.1:1"}).status_code == 401
+    assert HTTP.get(keyed.url + "/admin/replicas").status_code == 401
+    assert HTTP.post(keyed.url + "/admin/replicas", json={"url": "http://127.0.0.1:1"}).status_code == 401
     open_ = cluster.router([sim])  # no admin key: loopback only, and a relayed request is not loopback
-    assert httpx.get(open_.url + "/admin/replicas").status_code == 200
-    assert httpx.get(open_.url + "/admin/replicas", headers={"x-forwarded-for": "127.0.0.1"}).status_code == 403
+    assert HTTP.get(open_.url + "/admin/replicas").status_code == 200
+    assert HTTP.get(open_.url + "/admin/replicas", headers={"x-forwarded-for": "127.0.0.1"}).status_code == 403
 
 
 def test_nothing_a_client_sends_changes_the_host_the_router_reaches(cluster):
@@ -96,7 +97,7 @@ def test_nothing_a_client_sends_changes_the_host_the_router_reaches(cluster):
     try:
         for headers in ({"host": elsewhere}, {"x-forwarded-host": elsewhere}, {"forwarded": f"host={elsewhere}"},
                         {"x-original-url": f"http://{elsewhere}/v1/completions"}):
-            r = httpx.post(rt.url + "/v1/completions", headers=headers, timeout=10,
+            r = HTTP.post(rt.url + "/v1/completions", headers=headers, timeout=10,
                            json={"model": "tiny", "prompt": "x", "max_tokens": 1})
             assert r.status_code == 200 and r.headers["x-kvroute-replica"] == f"127.0.0.1:{sim.port}"
         raw = socket.create_connection(("127.0.0.1", rt.port), timeout=5)

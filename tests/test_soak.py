@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from helpers import Load
+from helpers import HTTP, Load
 from loadtest.cluster import redis_server, wait_redis
 
 SOAK_S = float(os.environ.get("SOAK_SECONDS", "1200"))
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.soak, pytest.mark.timeout(SOAK_S + 300)]
 def sample(url: str) -> dict[str, float]:
     wanted = ("process_resident_memory_bytes", "process_open_fds", "kvroute_event_loop_tasks", "kvroute_index_blocks")
     out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+    for line in HTTP.get(url + "/metrics", timeout=5).text.splitlines():
         for name in wanted:
             if line.startswith(name):
                 out[name] = out.get(name, 0.0) + float(line.split()[-1])

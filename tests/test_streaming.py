@@ -4,9 +4,8 @@ import json
 import socket
 import time
 
-import httpx
 
-from helpers import sim_state, set_faults, sse_events, wait_until
+from helpers import HTTP, sim_state, set_faults, sse_events, wait_until
 
 SLOW = ("--ttft-ms", "5", "--itl-ms", "50")
 
@@ -18,7 +17,7 @@ def stream_body(n: int = 100) -> dict:
 def test_client_disconnect_cancels_the_upstream_request_within_a_second(cluster):
     sim = cluster.sim(*SLOW)
     rt = cluster.router([sim])
-    with httpx.stream("POST", rt.url + "/v1/chat/completions", json=stream_body(200), timeout=10) as r:
+    with HTTP.stream("POST", rt.url + "/v1/chat/completions", json=stream_body(200), timeout=10) as r:
         chunks = r.iter_raw()
         next(chunks)
         next(chunks)
@@ -39,7 +38,7 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer_cancels_upstream(cl
                   b"content-length: %d\r\n\r\n%s" % (len(body), body))
         wait_until(lambda: sim_state(sim)["running"] == 1, timeout=2)
     wait_until(lambda: sim_state(sim)["aborted"] == 1, timeout=1.0)
-    view = httpx.get(rt.url + "/admin/replicas").json()["replicas"][0]
+    view = HTTP.get(rt.url + "/admin/replicas").json()["replicas"][0]
     assert view["inflight"] == 0
 
 
@@ -48,7 +47,7 @@ def test_chunks_are_relayed_as_they_arrive(cluster):
     sim = cluster.sim(*SLOW)
     rt = cluster.router([sim])
     stamps = []
-    with httpx.stream("POST", rt.url + "/v1/chat/completions", json=stream_body(8), timeout=10) as r:
+    with HTTP.stream("POST", rt.url + "/v1/chat/completions", json=stream_body(8), timeout=10) as r:
         for chunk in r.iter_raw():
             stamps.append(time.monotonic())
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
@@ -61,7 +60,7 @@ def test_stalled_stream_ends_with_an_sse_error_event(cluster):
     rt = cluster.router([sim], "--set", "proxy.stream_idle_timeout_s=0.5")
     set_faults(sim, stall_after_chunks=3)
     start = time.monotonic()
-    r = httpx.post(rt.url + "/v1/chat/completions", json=stream_body(50), timeout=10)
+    r = HTTP.post(rt.url + "/v1/chat/completions", json=stream_body(50), timeout=10)
     elapsed = time.monotonic() - start
     events = sse_events(r.content)
     assert r.status_code == 200
@@ -77,7 +76,7 @@ def test_replica_dropping_the_stream_ends_it_with_an_sse_error_event(cluster):
     sim = cluster.sim()
     rt = cluster.router([sim])
     set_faults(sim, die_after_chunks=2)
-    r = httpx.post(rt.url + "/v1/chat/completions", json=stream_body(20), timeout=10)
+    r = HTTP.post(rt.url + "/v1/chat/completions", json=stream_body(20), timeout=10)
     events = sse_events(r.content)
     assert len(events) == 2 + 2
     assert json.loads(events[-2])["error"]["code"] == "upstream_disconnected"

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import SMALL_TEMPLATE, SMALL_WORDS, small_tokenizer
+from helpers import HTTP, SMALL_TEMPLATE, SMALL_WORDS, small_tokenizer
 from router.prefix import key_for
 from router.tokenizer import LocalTokenizer
 
@@ -93,7 +93,6 @@ def test_tokenizer_mode_keys_are_the_same_in_every_process(model_dir, prompt, us
 
 
 def test_router_with_a_tokenizer_predicts_cached_tokens_in_whole_blocks(cluster, model_dir):
-    import httpx
     from helpers import replicas_view, wait_until
     sim = cluster.sim("--ttft-ms", "1", "--itl-ms", "1", "--block-size", "16")
     rt = cluster.router([], config={"replicas": [{"name": "a", "url": sim.url}],
@@ -104,7 +103,7 @@ def test_router_with_a_tokenizer_predicts_cached_tokens_in_whole_blocks(cluster,
     cached = []
     for q in ("the fox", "the dog"):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
-        r = httpx.post(rt.url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 1})
+        r = HTTP.post(rt.url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 1})
         assert r.status_code == 200
         cached.append(int(r.headers["x-kvroute-cached-tokens"]))
     shared = len(tok.encode(tok.render_chat([{"role": "system", "content": system}]), add_special_tokens=False))
@@ -139,27 +138,25 @@ def test_a_hub_name_is_looked_up_in_the_local_hugging_face_cache(model_dir, tmp_
 
 
 def test_with_no_configuration_the_router_keys_by_the_tokenizer_the_replica_names(cluster, model_dir):
-    import httpx
     from helpers import wait_until
     sim = cluster.sim("--ttft-ms", "1", "--itl-ms", "1", "--root", str(model_dir))
     rt = cluster.router([sim])
 
     def keys():
-        return httpx.get(rt.url + "/admin/replicas", timeout=2).json()["prompt_keys"]
+        return HTTP.get(rt.url + "/admin/replicas", timeout=2).json()["prompt_keys"]
     wait_until(lambda: keys().get("tiny", {}).get("mode") == "tokens", timeout=5)
     assert str(model_dir) in keys()["tiny"]["tokenizer"]
     wait_until(lambda: "its tokenizer from the model's folder" in rt.log_tail(20000), timeout=5)
 
 
 def test_in_byte_mode_bytes_per_token_is_learned_from_the_replicas_answers(cluster):
-    import httpx
     from helpers import wait_until
     sim = cluster.sim("--ttft-ms", "1", "--itl-ms", "1", "--bytes-per-token", "6")  # its root is not on this host
     rt = cluster.router([sim])
     wait_until(lambda: "set prefix.tokenizers.tiny to the model's folder" in rt.log_tail(20000).lower(), timeout=5)
     for i in range(24):
-        r = httpx.post(rt.url + "/v1/completions", timeout=10, json={
+        r = HTTP.post(rt.url + "/v1/completions", timeout=10, json={
             "model": "tiny", "prompt": " ".join(WORDS[: 5 + i % 11]) * (3 + i), "max_tokens": 1})
         assert r.status_code == 200
-    keys = httpx.get(rt.url + "/admin/replicas", timeout=2).json()["prompt_keys"]["tiny"]
+    keys = HTTP.get(rt.url + "/admin/replicas", timeout=2).json()["prompt_keys"]["tiny"]
     assert keys["mode"] == "bytes" and 5.7 <= keys["bytes_per_token"] <= 6.3, keys

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from conftest import Cluster
-from helpers import openai_streams_through_a_kill, replicas_view, run_with_bypass, wait_until
+from helpers import HTTP, openai_streams_through_a_kill, replicas_view, run_with_bypass, wait_until
 from loadtest import vllm_cluster
 from loadtest.cluster import Proc
 
@@ -75,7 +75,7 @@ def test_chat_through_the_gateway_is_well_formed(gateway, replicas):
     assert out.object == "chat.completion" and out.model == "tiny"
     assert out.choices[0].message.role == "assistant" and isinstance(out.choices[0].message.content, str)
     assert out.choices[0].finish_reason in ("length", "stop")
-    tok = httpx.post(replicas[0].url + "/tokenize", json={"model": "tiny", "messages": MESSAGES}, timeout=10).json()
+    tok = HTTP.post(replicas[0].url + "/tokenize", json={"model": "tiny", "messages": MESSAGES}, timeout=10).json()
     assert out.usage.prompt_tokens == tok["count"] > 0
     assert 0 < out.usage.completion_tokens <= 8
 
@@ -143,7 +143,7 @@ def test_with_the_models_tokenizer_predicted_cached_tokens_match_vllms_hits(repl
     rt = c.router(replicas, *extra, wait_ready=False)
     try:
         rt.wait_http("/ready", timeout=30)
-        wait_until(lambda: httpx.get(rt.url + "/admin/replicas").json()["prompt_keys"].get(
+        wait_until(lambda: HTTP.get(rt.url + "/admin/replicas").json()["prompt_keys"].get(
             "tiny", {}).get("mode") == "tokens", timeout=10)
         before = {p.url: vllm_cluster.metrics(p.url)["vllm:prefix_cache_hits_total"] for p in replicas}
         # prompts of this case only, from the first token on: the replicas' caches outlive each case's router
@@ -161,7 +161,7 @@ def test_with_the_models_tokenizer_predicted_cached_tokens_match_vllms_hits(repl
         hits = sum(vllm_cluster.metrics(p.url)["vllm:prefix_cache_hits_total"] - before[p.url] for p in replicas)
         assert hits > 0, "the requests of a group should have hit vLLM's prefix cache"
         assert abs(predicted - hits) <= 0.05 * hits, (predicted, hits)
-        encoding = httpx.get(rt.url + "/admin/replicas").json()["prompt_keys"]["tiny"]["encoding"]
+        encoding = HTTP.get(rt.url + "/admin/replicas").json()["prompt_keys"]["tiny"]["encoding"]
         assert encoding["segments"] == "on" and encoding["hits"] >= 10, encoding  # system prompts encoded once
     finally:
         c.stop_all()
@@ -196,10 +196,10 @@ def test_precise_index_predicts_vllms_cached_tokens_exactly_while_a_client_bypas
         # the same requests, in the same order, bypassing the same way, from empty caches each time
         shape = {"n": 8, "turns": 5, "system_words": 240, "user_words": 80, "reply_words": 60}
         for p in replicas:
-            httpx.post(p.url + "/reset_prefix_cache", timeout=10).raise_for_status()
+            HTTP.post(p.url + "/reset_prefix_cache", timeout=10).raise_for_status()
         exact = run_with_bypass(precise, replicas, seed=11, settle=lambda: applied_quietly(precise, replicas), **shape)
         for p in replicas:
-            httpx.post(p.url + "/reset_prefix_cache", timeout=10).raise_for_status()
+            HTTP.post(p.url + "/reset_prefix_cache", timeout=10).raise_for_status()
         guessed = run_with_bypass(approximate, replicas, seed=11, settle=lambda: time.sleep(0.2), **shape)
         hits = (sum(a for _, a in exact), sum(a for _, a in guessed))
         wrong = [(p, a) for p, a in guessed if p != a]
@@ -229,7 +229,7 @@ def test_streams_on_a_killed_replica_complete_on_the_other_with_every_token(gate
     assert not short, f"streams without {TOKENS} tokens in all: {short}"
     continued = [r for r in results if r[1] == victim_name and r[0] < killed]
     assert continued, "some streams must have been running on the killed replica"
-    metrics = httpx.get(gateway.url + "/metrics").text
+    metrics = HTTP.get(gateway.url + "/metrics").text
     merged = sum(1 for _, _, chunks, tokens, _ in results if chunks < tokens)  # vLLM sent several tokens in a chunk
     failovers = " ".join(line for line in metrics.splitlines() if line.startswith("kvroute_stream_failovers"))
     print(f"{len(results)} streams, all with {TOKENS} tokens ({merged} with fewer content chunks than tokens), "

@@ -6,10 +6,9 @@ Fixtures in tests/fixtures/vllm-0.32 were captured from a real vLLM replica (see
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 
-from helpers import sse_json
+from helpers import HTTP, sse_json
 from router.replica_metrics import parse_metrics
 
 FIX = Path(__file__).parent / "fixtures" / "vllm-0.32"
@@ -75,12 +74,12 @@ CHAT = {"model": "tiny", "messages": [{"role": "system", "content": "s" * 400}, 
 
 
 def test_chat_response_has_vllms_shape(sim):
-    got = httpx.post(sim.url + "/v1/chat/completions", json=CHAT).json()
+    got = HTTP.post(sim.url + "/v1/chat/completions", json=CHAT).json()
     assert shape(got) == shape(json.loads((FIX / "chat.json").read_text()))
 
 
 def test_completion_response_has_vllms_shape(sim):
-    got = httpx.post(sim.url + "/v1/completions", json={"model": "tiny", "prompt": "p" * 100, "max_tokens": 6}).json()
+    got = HTTP.post(sim.url + "/v1/completions", json={"model": "tiny", "prompt": "p" * 100, "max_tokens": 6}).json()
     assert shape(got) == shape(json.loads((FIX / "completions.json").read_text()))
 
 
@@ -89,7 +88,7 @@ def test_completion_response_has_vllms_shape(sim):
     ("/v1/completions", "completions-stream.sse", {"model": "tiny", "prompt": "p", "max_tokens": 4}),
 ])
 def test_stream_chunks_have_vllms_shape_and_framing(sim, path, fixture, body):
-    raw = httpx.post(sim.url + path, json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    raw = HTTP.post(sim.url + path, json={**body, "stream": True, "stream_options": {"include_usage": True}})
     want = (FIX / fixture).read_bytes()
     assert raw.headers["content-type"] == "text/event-stream; charset=utf-8"
     assert [shape(c) for c in sse_json(raw.content)] == [shape(c) for c in sse_json(want)]
@@ -103,25 +102,25 @@ def test_stream_chunks_have_vllms_shape_and_framing(sim, path, fixture, body):
 ])
 def test_errors_match_vllm(sim, fixture, request_body):
     want, status = fixture_error(fixture)
-    r = httpx.post(sim.url + "/v1/completions", json=request_body)
+    r = HTTP.post(sim.url + "/v1/completions", json=request_body)
     assert r.status_code == status and r.json() == want
 
 
 def test_bad_json_error_matches_vllm(sim):
     want, status = fixture_error("error-bad-json.txt")
-    r = httpx.post(sim.url + "/v1/completions", content=b"{bad")
+    r = HTTP.post(sim.url + "/v1/completions", content=b"{bad")
     assert r.status_code == status and r.json() == want
 
 
 def test_models_and_tokenize_have_vllms_shape(sim):
-    got = httpx.get(sim.url + "/v1/models").json()
+    got = HTTP.get(sim.url + "/v1/models").json()
     want = json.loads((FIX / "models.json").read_text())
     assert shape(got) == shape(want)
-    tok = httpx.post(sim.url + "/tokenize", json={"model": "tiny", "prompt": "hello there"}).json()
+    tok = HTTP.post(sim.url + "/tokenize", json={"model": "tiny", "prompt": "hello there"}).json()
     assert shape(tok) == {**shape(json.loads((FIX / "tokenize.json").read_text())), "token_strs": "NoneType"}
 
 
 def test_simulator_metrics_parse_like_vllms(sim):
-    s = parse_metrics(httpx.get(sim.url + "/metrics").text)
+    s = parse_metrics(HTTP.get(sim.url + "/metrics").text)
     assert s.block_size == 128 and s.num_gpu_blocks == 16384 and s.start_time > 0
     assert {"running", "waiting", "kv_usage", "prefix_hits", "prefix_queries", "cache_config"} <= s.seen

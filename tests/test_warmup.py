@@ -5,11 +5,10 @@ from __future__ import annotations
 import re
 import time
 
-import httpx
 
-from helpers import replicas_view, wait_until
+from helpers import HTTP, replicas_view, wait_until
 
-WARMUP_S = 20
+WARMUP_S = 10
 
 
 def error_samples(text: str) -> dict[str, float]:
@@ -27,24 +26,24 @@ def test_a_replica_warming_up_is_starting_moves_no_error_metric_and_takes_traffi
     warming = cluster.sim("--warmup-s", str(WARMUP_S), wait=False)
     rt = cluster.router([up, warming], "--set", "health.interval_s=0.2", "--set", "health.metrics_interval_s=0.2")
     name = f"127.0.0.1:{warming.port}"
-    before = error_samples(httpx.get(rt.url + "/metrics").text)
+    before = error_samples(HTTP.get(rt.url + "/metrics").text)
     log_before = rt.log_tail(100_000)
     for _ in range(20):  # traffic meanwhile goes to the ready replica
-        r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 2})
+        r = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 2})
         assert r.status_code == 200 and r.headers["x-kvroute-replica"] != name
     time.sleep(3)
     assert replicas_view(rt)[warming.url]["state"] == "starting"
-    assert error_samples(httpx.get(rt.url + "/metrics").text) == before
+    assert error_samples(HTTP.get(rt.url + "/metrics").text) == before
     new_log = rt.log_tail(100_000)[len(log_before):]
     assert "WARNING" not in new_log and "ERROR" not in new_log, new_log
 
     wait_until(lambda: replicas_view(rt)[warming.url]["state"] == "ready", timeout=WARMUP_S + 20, interval=0.2)
-    after = error_samples(httpx.get(rt.url + "/metrics").text)
+    after = error_samples(HTTP.get(rt.url + "/metrics").text)
     assert {k: v for k, v in after.items() if "replica_ready" not in k} == \
         {k: v for k, v in before.items() if "replica_ready" not in k}
     served = set()
     for i in range(40):
-        r = httpx.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": f"p{i} " * 50, "max_tokens": 2})
+        r = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": f"p{i} " * 50, "max_tokens": 2})
         assert r.status_code == 200
         served.add(r.headers["x-kvroute-replica"])
     assert name in served
