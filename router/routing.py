@@ -292,16 +292,16 @@ class Router:
         assert self.index is not None
         while True:
             await asyncio.sleep(_SIZES_INTERVAL_S)
+            if self.conversations is not None:  # in memory: a shared index that fails does not hold it back
+                waiting = self.conversations.waiting()
+                for r in self.pool:
+                    self.metrics.conversations_waiting.labels(r.name).set(waiting.get(r.name, 0))
             try:
                 for r in self.pool:
                     total = 0
                     for model in r.models:
                         total += await self.index.size(model, r.name)
                     self.metrics.index_blocks.labels(r.name).set(total)
-                if self.conversations is not None:
-                    waiting = self.conversations.waiting()
-                    for r in self.pool:
-                        self.metrics.conversations_waiting.labels(r.name).set(waiting.get(r.name, 0))
             except Exception:
                 log.exception("index size refresh failed")
 

@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import FAST
-from helpers import HTTP
+from helpers import HTTP, chat
 from router.conversations import PRIOR_ENDED, Conversations
 
 
@@ -143,9 +143,8 @@ def two_replicas(cluster, **config):
         {"name": n, "url": s.url, "block_size": 16} for n, s in zip("ab", sims)]})
 
 
-def chat(rt, messages) -> str:
-    r = HTTP.post(rt.url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2},
-                   timeout=10)
+def served_by(rt, messages) -> str:
+    r = chat(HTTP, rt.url, messages)
     assert r.status_code == 200
     return r.headers["x-kvroute-replica"]
 
@@ -155,7 +154,7 @@ def first_turns_by_replica(rt, conversations=10, n=3) -> dict[str, int]:
     began: dict[str, int] = {}
     for c in range(conversations):
         for t, messages in enumerate(turns(c, n)):
-            served = chat(rt, messages)
+            served = served_by(rt, messages)
             if t == 0:
                 began[served] = began.get(served, 0) + 1
     return began
@@ -166,7 +165,7 @@ def test_the_router_expects_each_conversation_back_where_its_last_turn_was_answe
     last = {}
     for c in range(12):
         for messages in turns(c, 2):
-            last[c] = chat(rt, messages)
+            last[c] = served_by(rt, messages)
     out = HTTP.post(rt.url + "/admin/explain/v1/chat/completions",
                      json={"model": "tiny", "messages": turns(99, 1)[0]}, timeout=10).json()
     returning = {c["replica"]: c["returning"] for c in out["candidates"]}
