@@ -135,12 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--dev-mode", action="store_true", help="enable vLLM's development endpoints "
                     "(POST /reset_prefix_cache, used by loadtest.bench_vllm --use)")
+    ap.add_argument("--no-kv-events", action="store_true", help="do not publish KV-cache events (by default each "
+                    "replica publishes them with a replay endpoint, as loadtest.bench_vllm starts its own)")
     ap.add_argument("--log-dir", type=Path, default=ROOT / "loadtest" / "out" / "vllm")
     args = ap.parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     home = setup()
     procs = start([replica(home, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
-                           log_dir=args.log_dir, dev_mode=args.dev_mode) for _ in range(args.replicas)])
+                           log_dir=args.log_dir, dev_mode=args.dev_mode,
+                           extra=(*(() if args.no_kv_events else kv_events_args()), "--enable-prompt-tokens-details"))
+                   for _ in range(args.replicas)])
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     for p in procs:

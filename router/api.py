@@ -359,6 +359,7 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
             "index": gw.router.index.name if gw.router.index is not None else None,
             "prompt_keys": gw.router.keys.describe() if gw.router.keys is not None else None,
             "queue_length": gw.admission.queue_length,
+            "conversations": gw.router.conversations.describe() if gw.router.conversations is not None else None,
             "replicas": [_describe(r) for r in gw.pool],
         })
 

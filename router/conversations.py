@@ -9,8 +9,13 @@ turns, whose next request will want the history cached there.
 The requests in flight say how busy a replica is now; these say how busy it will be, and how much of its
 cache their histories will need. Placing a new conversation by the first alone lets a burst of new
 conversations pile on whichever replica is quickest at that moment, where their histories then outgrow
-its cache. Not every workload comes back: the count is weighed by the share of tails that were continued
-(learned, with a prior of :data:`PRIOR_ENDED` tails that were not), so one-shot prompts weigh nothing.
+its cache.
+
+Not every tail is a conversation's. The count is weighed by the share of tails whose next turn came and
+grew the history by a whole block or more (learned, with a prior of :data:`PRIOR_ENDED` tails that did
+not): one-shot prompts never come back, and the prompts of a group under one system prompt come back to
+the same last whole block (the question fits in the block after it) without growing it; the cache term
+already draws those to their prefix.
 
 Only hashes are kept, never text; the table is bounded (``max_tracked``, oldest out). Each router process
 (each worker) sees the requests it routes.
@@ -20,11 +25,19 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
-PRIOR_ENDED = 10.0  # until that many tails were continued, the share stays well below 1
+PRIOR_ENDED = 10.0  # until that many tails grew, the share stays well below 1
 DECAY = 0.999  # the share follows the last few thousand outcomes
 SCAN_BLOCKS = 512  # a turn's previous tail is searched this far back from the end of the prompt
+
+
+class Continuation(NamedTuple):
+    """A prompt holds the tail of an answered one."""
+
+    tail: int
+    replica: str  # where that tail waits
+    grows: bool  # the prompt goes on for a whole block or more past it: a conversation's next turn
 
 
 class Conversations:
@@ -35,17 +48,19 @@ class Conversations:
         self._clock = clock
         self._tails: OrderedDict[int, tuple[str, float]] = OrderedDict()  # tail -> (replica, left at), oldest first
         self._waiting: dict[str, int] = {}  # replica -> its tails
-        self._continued = 0.0
-        self._ended = 0.0
+        self._grew = 0.0  # tails whose next turn grew the history (decayed)
+        self._ended = 0.0  # tails that ended, or came back without growing (decayed)
 
     # -- reading -----------------------------------------------------------------------------
 
     def continued_share(self) -> float:
-        """The share of answered prompts whose conversation came back (decayed, with its prior)."""
-        return self._continued / (self._continued + self._ended + PRIOR_ENDED)
+        """The share of answered prompts whose next turn came and grew the history (decayed, with its
+        prior)."""
+        return self._grew / (self._grew + self._ended + PRIOR_ENDED)
 
-    def find(self, chains: Iterable[Sequence[int]]) -> tuple[int, str] | None:
-        """The waiting tail a prompt continues (the deepest found), and the replica it waits at."""
+    def find(self, chains: Iterable[Sequence[int]]) -> Continuation | None:
+        """The waiting tail a prompt continues (the deepest found), the replica it waits at, and whether the
+        prompt extends it by a whole block."""
         self._expire()
         tails = self._tails
         if not tails:
@@ -55,10 +70,10 @@ class Conversations:
             window = chain[-SCAN_BLOCKS:]
             if keys.isdisjoint(window):  # most prompts of a new conversation: one pass in C
                 continue
-            for h in reversed(window):
+            for back, h in enumerate(reversed(window)):
                 got = tails.get(h)
                 if got is not None:
-                    return h, got[0]
+                    return Continuation(h, got[0], back > 0)
         return None
 
     def expected(self, own: str | None = None) -> dict[str, float]:
@@ -79,15 +94,21 @@ class Conversations:
         self._expire()
         return {r: n for r, n in self._waiting.items() if n}
 
+    def describe(self) -> dict[str, object]:
+        """For ``/admin/replicas``: the tails waiting at each replica, what became of earlier ones (decayed
+        counts: a next turn that grew the history; ended, or came back without growing) and the share."""
+        return {"waiting": self.waiting(), "next_turns": round(self._grew, 2), "ended": round(self._ended, 2),
+                "continued_share": round(self.continued_share(), 4)}
+
     # -- the lifecycle of a turn -----------------------------------------------------------------
 
-    def resume(self, tail: int) -> None:
-        """A routed request continues the conversation that waited at ``tail``."""
-        got = self._tails.pop(tail, None)
+    def resume(self, found: Continuation) -> None:
+        """A routed request continues what waited at ``found.tail``: a conversation if it grows."""
+        got = self._tails.pop(found.tail, None)
         if got is None:
             return
         self._waiting[got[0]] -= 1
-        self._learn(True)
+        self._learn(found.grows)
 
     def answered(self, replica: str, tails: Iterable[int]) -> None:
         """``replica`` answered prompts ending in ``tails``: their conversations wait there now."""
@@ -121,10 +142,6 @@ class Conversations:
             self._waiting[r] -= 1
             self._learn(False)
 
-    def _learn(self, continued: bool) -> None:
-        self._continued *= DECAY
-        self._ended *= DECAY
-        if continued:
-            self._continued += 1.0
-        else:
-            self._ended += 1.0
+    def _learn(self, grew: bool) -> None:
+        self._grew = self._grew * DECAY + grew
+        self._ended = self._ended * DECAY + (not grew)

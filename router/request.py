@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .conversations import Continuation
     from .prefix import PromptKey
 
 
@@ -34,7 +35,7 @@ class RouteRequest:
     occupancy: dict[str, float] = field(default_factory=dict)  # share of each replica's KV blocks indexed
     index_fallback: bool = False  # the shared index could not answer: the local one did
     returning: dict[str, float] = field(default_factory=dict)  # requests expected back at each replica
-    continues: int | None = None  # the tail of the waiting conversation it continues
+    continues: Continuation | None = None  # the answered prompt's tail it holds, if one waits
     session_replica: str | None = None
 
     def uncached(self, replica: str) -> int:

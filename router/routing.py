@@ -214,9 +214,8 @@ class Router:
             for v in group:
                 req.occupancy[v.name] = min(1.0, held[v.name] / v.kv_blocks)
         if self.conversations is not None:
-            found = self.conversations.find(c for block in by_block for c in key.chains(block))
-            req.continues, own = found if found is not None else (None, None)
-            req.returning = self.conversations.expected(own)
+            req.continues = self.conversations.find(c for block in by_block for c in key.chains(block))
+            req.returning = self.conversations.expected(req.continues.replica if req.continues else None)
         self._m_lookup.observe(time.perf_counter() - started)
 
     def _unroutable(self, req: RouteRequest, e: NoCandidate) -> GatewayError:

@@ -1,10 +1,13 @@
 """Conversations between turns: which replica should expect which requests back."""
 
+import random
+
 import pytest
 
 from conftest import FAST
-from helpers import HTTP, chat
-from router.conversations import PRIOR_ENDED, Conversations
+from helpers import HTTP, chat, text, wait_until
+from loadtest.tiny_model import write_tokenizer
+from router.conversations import PRIOR_ENDED, Continuation, Conversations
 
 
 class Clock:
@@ -20,10 +23,17 @@ def chain(*blocks: int) -> list[int]:
     return list(blocks)
 
 
+def come_back(c: Conversations, tail: int, grows: bool = True) -> None:
+    """The next prompt holding ``tail`` is routed (``grows``: it goes on for a block past it)."""
+    found = c.find([chain(tail, -1) if grows else chain(tail)])
+    assert found is not None and found.tail == tail
+    c.resume(found)
+
+
 def test_a_prompt_that_extends_an_answered_one_continues_its_conversation_where_it_was_answered():
     c = Conversations()
     c.answered("a", [3])
-    assert c.find([chain(1, 2, 3, 4, 5)]) == (3, "a")
+    assert c.find([chain(1, 2, 3, 4, 5)]) == Continuation(3, "a", grows=True)
 
 
 def test_a_prompt_that_shares_only_a_system_prompt_continues_nothing():
@@ -32,11 +42,17 @@ def test_a_prompt_that_shares_only_a_system_prompt_continues_nothing():
     assert c.find([chain(1, 2, 7, 8)]) is None
 
 
+def test_a_prompt_that_ends_in_the_same_block_continues_without_growing():
+    c = Conversations()
+    c.answered("a", [3])
+    assert c.find([chain(1, 2, 3)]) == Continuation(3, "a", grows=False)
+
+
 def test_the_deepest_waiting_tail_is_the_one_continued():
     c = Conversations()
     c.answered("a", [3])
     c.answered("b", [5])
-    assert c.find([chain(1, 2, 3, 4, 5, 6)]) == (5, "b")
+    assert c.find([chain(1, 2, 3, 4, 5, 6)]) == Continuation(5, "b", grows=True)
 
 
 def test_nothing_is_expected_back_until_a_conversation_has_come_back():
@@ -48,9 +64,9 @@ def test_nothing_is_expected_back_until_a_conversation_has_come_back():
 
 def test_requests_expected_back_are_the_waiting_conversations_times_the_share_that_came_back():
     c = Conversations()
-    for tail in range(100, 120):  # 20 conversations answered, and every one came back
+    for tail in range(100, 120):  # 20 conversations answered at a, and every one came back
         c.answered("a", [tail])
-        c.resume(tail)
+        come_back(c, tail)
     c.answered("a", [1, 2])
     c.answered("b", [3])
     share = 20 / (20 + PRIOR_ENDED)
@@ -58,10 +74,20 @@ def test_requests_expected_back_are_the_waiting_conversations_times_the_share_th
     assert c.expected() == {"a": pytest.approx(2 * share, rel=0.02), "b": pytest.approx(share, rel=0.02)}
 
 
+def test_prompts_that_come_back_without_growing_are_not_counted_as_conversations():
+    c = Conversations()
+    for _ in range(20):  # a group's prompts: the same last whole block each time, the question after it
+        c.answered("a", [3])
+        come_back(c, 3, grows=False)
+    c.answered("a", [3])
+    assert c.continued_share() == 0.0
+    assert c.expected() == {}
+
+
 def test_the_asking_request_does_not_count_against_the_replica_its_own_conversation_waits_at():
     c = Conversations()
     c.answered("x", [100])
-    c.resume(100)
+    come_back(c, 100)
     c.answered("a", [1])
     c.answered("b", [2])
     assert set(c.expected(own="a")) == {"b"}
@@ -71,7 +97,7 @@ def test_one_shot_prompts_teach_that_nothing_comes_back():
     clock = Clock()
     c = Conversations(window_s=10, clock=clock)
     c.answered("a", [1])
-    c.resume(1)
+    come_back(c, 1)
     before = c.continued_share()
     c.answered("a", list(range(10, 60)))
     clock.now += 11
@@ -88,13 +114,13 @@ def test_a_conversation_stops_waiting_after_the_window():
     clock.now += 2
     assert c.waiting() == {"a": 1}
     assert c.find([chain(1, 5)]) is None
-    assert c.find([chain(2, 5)]) == (2, "a")
+    assert c.find([chain(2, 5)]) == Continuation(2, "a", grows=True)
 
 
 def test_a_turn_answered_elsewhere_moves_its_conversation():
     c = Conversations()
     c.answered("a", [7])
-    c.resume(7)
+    come_back(c, 7)
     c.answered("b", [9])
     assert c.waiting() == {"b": 1}
 
@@ -110,7 +136,7 @@ def test_the_table_is_bounded():
     c = Conversations(max_tracked=100)
     c.answered("a", range(1000))
     assert c.waiting() == {"a": 100}
-    assert c.find([[0]]) is None and c.find([[999]]) == (999, "a")
+    assert c.find([[0]]) is None and c.find([[999]]) == Continuation(999, "a", grows=False)
 
 
 def test_a_replica_that_leaves_takes_its_conversations_with_it():
@@ -169,7 +195,7 @@ def test_the_router_expects_each_conversation_back_where_its_last_turn_was_answe
     out = HTTP.post(rt.url + "/admin/explain/v1/chat/completions",
                      json={"model": "tiny", "messages": turns(99, 1)[0]}, timeout=10).json()
     returning = {c["replica"]: c["returning"] for c in out["candidates"]}
-    share = 12 / (12 + PRIOR_ENDED)  # every conversation came back once
+    share = 12 / (12 + PRIOR_ENDED)  # every conversation came back once, a turn longer
     for replica in "ab":
         waiting = sum(1 for r in last.values() if r == replica)
         assert returning[replica] == pytest.approx(waiting * share, rel=0.05)
@@ -183,3 +209,48 @@ def test_new_conversations_under_one_cached_system_prompt_spread_once_conversati
 def test_without_the_waiting_conversations_every_new_one_follows_the_cached_system_prompt(cluster):
     began = first_turns_by_replica(two_replicas(cluster, cache_aware={"returning_weight": 0}))
     assert len(began) == 1, began
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory):
+    """The tiny model's tokenizer, one token per word: prompts of a known number of blocks."""
+    return str(write_tokenizer(tmp_path_factory.mktemp("tiny")))
+
+
+def one_replica_by_tokens(cluster, root):
+    sim = cluster.sim(*FAST, "--root", root)
+    rt = cluster.router([], config={"replicas": [{"name": "a", "url": sim.url, "block_size": 16}]})
+    admin = rt.url + "/admin/replicas"
+    wait_until(lambda: HTTP.get(admin, timeout=2).json()["prompt_keys"].get("tiny", {}).get("mode") == "tokens",
+               10)  # the tokenizer is found in the folder the replica reports
+    return rt, lambda: HTTP.get(admin, timeout=2).json()["conversations"]
+
+
+def complete(rt, prompt: str) -> None:
+    r = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2}, timeout=10)
+    assert r.status_code == 200
+
+
+def test_a_groups_prompts_under_one_system_prompt_are_not_counted_as_a_conversation(cluster, tiny_root):
+    rt, conversations_seen = one_replica_by_tokens(cluster, tiny_root)
+    rng = random.Random(5)
+    system = text(rng, 47)  # with the BOS token, 3 whole blocks of 16
+    for _ in range(4):  # each question fits in the block after the system prompt's last
+        complete(rt, system + " " + text(rng, 5))
+    seen = conversations_seen()
+    # prompts 2-4 came back to the tail the one before left, without growing it: nothing is expected back
+    assert seen["next_turns"] == 0 and seen["ended"] == pytest.approx(3, abs=0.01)
+    assert seen["waiting"] == {"a": 1} and seen["continued_share"] == 0
+
+
+def test_a_conversations_turns_that_grow_its_history_are_counted(cluster, tiny_root):
+    rt, conversations_seen = one_replica_by_tokens(cluster, tiny_root)
+    rng = random.Random(5)
+    history = text(rng, 47)
+    for _ in range(3):  # each turn adds more than a block
+        history += " " + text(rng, 20)
+        complete(rt, history)
+    seen = conversations_seen()
+    assert seen["next_turns"] == pytest.approx(2, abs=0.01) and seen["ended"] == 0
+    assert seen["waiting"] == {"a": 1}
+    assert seen["continued_share"] == pytest.approx(2 / (2 + PRIOR_ENDED), abs=0.01)
