@@ -108,6 +108,21 @@ def test_router_learns_block_size_and_kv_capacity_from_metrics(gateway, replicas
         assert view[proc.url]["num_gpu_blocks"] == blocks
 
 
+def settled_metrics(url: str, *counters: str) -> dict[str, float]:
+    """The replica's /metrics once nothing runs there and ``counters`` and its generated tokens stopped moving:
+    vLLM counts a request a little after its answer ended, so an earlier test's may still be on its way."""
+    keys = (*counters, "vllm:generation_tokens_total")
+    seen: list[dict[str, float]] = [vllm_cluster.metrics(url)]
+
+    def still() -> bool:
+        seen.append(vllm_cluster.metrics(url))
+        a, b = seen[-2:]
+        return b["vllm:num_requests_running"] == 0 and all(a.get(k) == b.get(k) for k in keys)
+
+    wait_until(still, timeout=30, interval=0.5)
+    return seen[-1]
+
+
 def test_client_disconnect_mid_stream_makes_vllm_abort(gateway, replicas):
     # The tiny model streams 500-1500 tokens/s, so the request asks for 10-30 s of tokens: ample time
     # for the router to see the client leave and close the upstream request, after which vLLM stops
@@ -117,7 +132,7 @@ def test_client_disconnect_mid_stream_makes_vllm_abort(gateway, replicas):
     max_tokens = MAX_MODEL_LEN - 16
     finished = 'vllm:request_success_total{finished_reason="length"}'
     body = {"model": "tiny", "prompt": "alpha bravo", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-    before = {p.url: vllm_cluster.metrics(p.url) for p in replicas}
+    before = {p.url: settled_metrics(p.url, finished) for p in replicas}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", gateway.url + "/v1/completions", json=body) as r:
             target = replica_of(gateway, r.headers["x-kvroute-replica"], replicas)
