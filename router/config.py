@@ -133,7 +133,8 @@ class ReplicaConfig(_Model):
 
 class HealthConfig(_Model):
     interval_s: float = Field(1.0, gt=0, description="seconds between health checks of a replica")
-    timeout_s: float = Field(2.0, gt=0, description="timeout of one health check")
+    timeout_s: float = Field(2.0, gt=0, description="seconds each request of a health check (/health, then "
+                             "/v1/models) and each /metrics scrape may take, whole answer included")
     fail_threshold: int = Field(2, ge=1, description="consecutive failed checks that make a ready replica unready")
     rise_threshold: int = Field(2, ge=1, description="consecutive good checks that bring an ejected replica back")
     metrics_interval_s: float = Field(1.0, gt=0, description="seconds between scrapes of a replica's /metrics")

@@ -16,11 +16,10 @@ table's figures for each decision. With several worker processes each worker che
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any, Iterator, Literal
-
-import httpx
 
 from .config import HealthConfig, IndexConfig, PLATFORMS, ProxyConfig, ReplicaConfig
 from .events import (EventBus, ReplicaAdded, ReplicaModels, ReplicaReady, ReplicaRemoved, ReplicaRestarted,
@@ -29,12 +28,18 @@ from .load import LoadTable
 from .metrics import Metrics
 from .prefill import PrefillEstimate
 from .replica_metrics import ReplicaStats, parse_metrics
-from .upstream import UpstreamPool
+from .upstream import ConnectFailed, UpstreamError, UpstreamPool
 from .view import ReplicaView, with_load
 
 log = logging.getLogger("kvroute.pool")
 
 _DEFAULT_BLOCKS = IndexConfig().default_blocks
+_CONTROL_HEADERS = b"user-agent: kvroute-health\r\naccept-encoding: identity\r\n"
+_CONTROL_MAX_BYTES = 32 << 20  # a /metrics page larger than this is not a replica's
+
+
+class _TooLarge(UpstreamError):
+    """A health-check or /metrics answer larger than :data:`_CONTROL_MAX_BYTES`."""
 
 State = Literal["starting", "ready", "unready"]
 
@@ -43,11 +48,12 @@ class Replica:
     """A replica's configuration and the router's live view of it."""
 
     def __init__(self, config: ReplicaConfig, upstream: UpstreamPool | None, metrics: Metrics,
-                 default_blocks: int = _DEFAULT_BLOCKS) -> None:
+                 default_blocks: int = _DEFAULT_BLOCKS, control: UpstreamPool | None = None) -> None:
         self.config = config
         self.name = config.name
         self.url = config.url
-        self.upstream = upstream
+        self.upstream = upstream  # requests' connections
+        self.control = control  # health checks' and scrapes' own, so neither waits on the other
         self.state: State = "starting"
         self.default_blocks = default_blocks  # KV blocks assumed while neither config nor /metrics says
         self.model_cards: dict[str, dict[str, Any]] = {}
@@ -69,7 +75,7 @@ class Replica:
         self.ejections = 0  # times taken out for that, in a row
         self.ejected_until = 0.0
         self.failed_to_start: str | None = None
-        # (name, value) pairs for the health checks (httpx), the same as header lines for the proxy
+        # (name, value) pairs (event-source discovery, with httpx), the same as header lines for the rest
         self.upstream_headers: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {config.api_key.get_secret_value()}"),) if config.api_key else ())
         self.header_lines = b"".join(b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1"))
@@ -199,12 +205,6 @@ class ReplicaPool:
         self.events = events or EventBus()
         self.proxy = proxy
         self.default_blocks = default_blocks
-        # two connections per replica at most (health checks, then scrapes); replicas may join at run time
-        self._control = httpx.AsyncClient(
-            timeout=httpx.Timeout(health.timeout_s, connect=min(health.timeout_s, proxy.connect_timeout_s)),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(8, 2 * len(configs))),
-            headers={"user-agent": "kvroute-health"},
-        )
         self.replicas: dict[str, Replica] = {}
         for cfg in configs:
             self.replicas[cfg.name] = self._make(cfg)
@@ -215,7 +215,11 @@ class ReplicaPool:
 
     def _make(self, cfg: ReplicaConfig) -> Replica:
         upstream = UpstreamPool(cfg.url, self.proxy.connect_timeout_s, self.proxy.upstream_idle_s)
-        return Replica(cfg, upstream, self.metrics, self.default_blocks)
+        # health checks and scrapes each take a connection of their own, kept alive between rounds (a round
+        # a second apart outlasts the replica's keep-alive only when the interval is set past it)
+        control = UpstreamPool(cfg.url, min(self.health.timeout_s, self.proxy.connect_timeout_s),
+                               self.proxy.upstream_idle_s)
+        return Replica(cfg, upstream, self.metrics, self.default_blocks, control)
 
     def _spawn(self, r: Replica) -> None:
         self._tasks[r.name] = [asyncio.create_task(self._health_loop(r), name=f"health:{r.name}"),
@@ -241,10 +245,8 @@ class ReplicaPool:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
-        await self._control.aclose()
         for r in self.replicas.values():
-            if r.upstream is not None:
-                r.upstream.close()
+            _close(r)
 
     # -- membership (decided by router.membership) ------------------------------------------
 
@@ -276,8 +278,7 @@ class ReplicaPool:
         await asyncio.gather(*tasks, return_exceptions=True)
         del self.replicas[name]
         self._checked.discard(name)
-        if r.upstream is not None:
-            r.upstream.close()
+        _close(r)
         self.load.remove(name)
         self.metrics.forget_replica(name)
         log.info("replica %s removed", name, extra={"replica": name})
@@ -404,22 +405,37 @@ class ReplicaPool:
 
     # -- background checks -----------------------------------------------------------------
 
+    async def _get(self, r: Replica, path: str) -> tuple[int, bytes]:
+        """GET ``path`` on the replica's control connection: status and body, all within the health-check
+        timeout. Raises :class:`~router.upstream.UpstreamError` or ``TimeoutError``."""
+        assert r.control is not None
+        timeout = self.health.timeout_s
+        async with asyncio.timeout(timeout):
+            resp = await r.control.request(b"GET", path, _CONTROL_HEADERS + r.header_lines, b"", timeout)
+            try:
+                body = await resp.read(_CONTROL_MAX_BYTES, timeout)
+                if not resp.complete:
+                    raise _TooLarge(f"{path} answered more than {_CONTROL_MAX_BYTES} bytes")
+            finally:
+                resp.release()
+        return resp.status, body
+
     async def check(self, r: Replica) -> None:
         """One health check: /health, then /v1/models."""
         try:
-            resp = await self._control.get(r.url + "/health", headers=r.upstream_headers)
-            if resp.status_code != 200:
-                self.mark_failure(r, f"/health answered {resp.status_code}")
+            status, _ = await self._get(r, "/health")
+            if status != 200:
+                self.mark_failure(r, f"/health answered {status}")
                 return
-            resp = await self._control.get(r.url + "/v1/models", headers=r.upstream_headers)
-            if resp.status_code != 200:
-                self.mark_failure(r, f"/v1/models answered {resp.status_code}")
+            status, body = await self._get(r, "/v1/models")
+            if status != 200:
+                self.mark_failure(r, f"/v1/models answered {status}")
                 return
-            self._set_models(r, resp.json())
-        except httpx.ConnectError as e:
-            self.mark_failure(r, f"connection failed: {e.__class__.__name__}", immediate=True)
+            self._set_models(r, json.loads(body))
+        except ConnectFailed as e:
+            self.mark_failure(r, f"connection failed: {e}", immediate=True)
             return
-        except (httpx.HTTPError, ValueError) as e:
+        except (UpstreamError, TimeoutError, ValueError) as e:
             self.mark_failure(r, f"health check failed: {e.__class__.__name__}")
             return
         self.mark_success(r)
@@ -444,12 +460,12 @@ class ReplicaPool:
         """One scrape of /metrics: engine load, KV usage and size, restarts."""
         self.load.mark_peak(r.name)
         try:
-            resp = await self._control.get(r.url + "/metrics", headers=r.upstream_headers)
-        except httpx.HTTPError:
+            status, body = await self._get(r, "/metrics")
+        except (UpstreamError, TimeoutError):
             return  # health checks own the verdict on reachability
-        if resp.status_code != 200:
+        if status != 200:
             return
-        stats = parse_metrics(resp.text)
+        stats = parse_metrics(body.decode("utf-8", "replace"))
         prev = r.stats
         restarted = prev is not None and self._restarted(prev, stats)
         if restarted:
@@ -552,3 +568,9 @@ class ReplicaPool:
                 except Exception:
                     log.exception("metrics scrape of %s crashed", r.name)
             await asyncio.sleep(pause)
+
+
+def _close(r: Replica) -> None:
+    for pool in (r.upstream, r.control):
+        if pool is not None:
+            pool.close()
