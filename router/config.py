@@ -238,9 +238,9 @@ class CacheAwareConfig(_Model):
                                              "index sees full, whatever its prefill rate (instead of "
                                              "occupancy_weight_tokens)")
     returning_weight: float = Field(1.0, ge=0, description="a conversation waiting at a replica between turns weighs "
-                                    "this many requests in flight there (load term), times the share of the "
-                                    "replica's answered prompts whose next turn came and grew the history by a "
-                                    "block; 0 turns it off")
+                                    "this many requests in flight there (load term), times the share of answered "
+                                    "prompts whose next turn came and grew the history by a whole block; 0 turns "
+                                    "it off")
 
 
 class ConversationsConfig(_Model):

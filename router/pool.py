@@ -215,8 +215,8 @@ class ReplicaPool:
 
     def _make(self, cfg: ReplicaConfig) -> Replica:
         upstream = UpstreamPool(cfg.url, self.proxy.connect_timeout_s, self.proxy.upstream_idle_s)
-        # health checks and scrapes each take a connection of their own, kept alive between rounds (a round
-        # a second apart outlasts the replica's keep-alive only when the interval is set past it)
+        # health checks and scrapes keep connections apart from the requests', alive between rounds for up to
+        # proxy.upstream_idle_s
         control = UpstreamPool(cfg.url, min(self.health.timeout_s, self.proxy.connect_timeout_s),
                                self.proxy.upstream_idle_s)
         return Replica(cfg, upstream, self.metrics, self.default_blocks, control)
