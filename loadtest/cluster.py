@@ -166,6 +166,14 @@ def router(replicas: list[str], *args: str, port: int | None = None, log_dir: Pa
     return Proc(name, argv, port, env=env, log_path=(log_dir / f"{name}-{port}.log") if log_dir else None)
 
 
+def slow_proxy(to_port: int, delay_ms: float, port: int | None = None, log_dir: Path | None = None) -> Proc:
+    """``loadtest.slow_proxy`` in front of 127.0.0.1:``to_port``: every read held ``delay_ms`` each way."""
+    port = port or free_port()
+    argv = [sys.executable, "-m", "loadtest.slow_proxy", "--port", str(port), "--to", f"127.0.0.1:{to_port}",
+            "--delay-ms", str(delay_ms)]
+    return Proc(f"slow-{port}", argv, port, log_path=(log_dir / f"slow-{port}.log") if log_dir else None)
+
+
 def redis_server(port: int | None = None, log_dir: Path | None = None) -> Proc:
     """A throw-away redis-server on 127.0.0.1 that keeps nothing on disk."""
     port = port or free_port()

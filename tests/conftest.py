@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import yaml
 
-from loadtest.cluster import Proc, redis_server, router, simulator, wait_redis
+from loadtest.cluster import Proc, redis_server, router, simulator, slow_proxy, wait_redis
 
 # Fast by default: tests set slower timings where they need them.
 FAST = ("--ttft-ms", "2", "--itl-ms", "1")
@@ -43,6 +45,19 @@ class Cluster:
         if wait_ready:
             p.wait_http("/ready", timeout=15)
         return p
+
+    def slow_link(self, to: Proc, delay_ms: float) -> Proc:
+        """A proxy in front of ``to`` that holds every read ``delay_ms`` each way, once it listens."""
+        p = slow_proxy(to.port, delay_ms, log_dir=self.log_dir)
+        self.procs.append(p.start())
+        deadline = time.monotonic() + 10
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", p.port)) == 0:
+                    return p
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{p.name} is not listening: {p.log_tail(800)}")
+            time.sleep(0.1)
 
     def stop_all(self) -> None:
         for p in reversed(self.procs):

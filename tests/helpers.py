@@ -35,6 +35,17 @@ def replicas_view(router_proc: Proc, headers: dict[str, str] | None = None) -> d
     return {r["url"]: r for r in body["replicas"]}
 
 
+def prompt_keys(router_proc: Proc) -> dict:
+    """How the router keys each model's prompts (``/admin/replicas``' ``prompt_keys``)."""
+    return HTTP.get(router_proc.url + "/admin/replicas", timeout=2).json()["prompt_keys"]
+
+
+def wait_keyed_by_tokens(router_proc: Proc, timeout: float, model: str = "tiny") -> None:
+    """Until the router has found ``model``'s tokenizer (it looks in the background, after the first health
+    check)."""
+    wait_until(lambda: prompt_keys(router_proc).get(model, {}).get("mode") == "tokens", timeout)
+
+
 def running(url: str) -> float:
     """A replica's ``vllm:num_requests_running`` now (summed over engines), by the router's own line scan."""
     return parse_metrics(HTTP.get(url + "/metrics", timeout=5).text).running

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from conftest import FAST
-from helpers import HTTP, chat, text, wait_until
+from helpers import HTTP, chat, text, wait_keyed_by_tokens
 from loadtest.tiny_model import write_tokenizer
 from router.conversations import PRIOR_ENDED, Continuation, Conversations
 
@@ -220,10 +220,8 @@ def tiny_root(tmp_path_factory):
 def one_replica_by_tokens(cluster, root):
     sim = cluster.sim(*FAST, "--root", root)
     rt = cluster.router([], config={"replicas": [{"name": "a", "url": sim.url, "block_size": 16}]})
-    admin = rt.url + "/admin/replicas"
-    wait_until(lambda: HTTP.get(admin, timeout=2).json()["prompt_keys"].get("tiny", {}).get("mode") == "tokens",
-               10)  # the tokenizer is found in the folder the replica reports
-    return rt, lambda: HTTP.get(admin, timeout=2).json()["conversations"]
+    wait_keyed_by_tokens(rt, 10)  # the tokenizer is found in the folder the replica reports
+    return rt, lambda: HTTP.get(rt.url + "/admin/replicas", timeout=2).json()["conversations"]
 
 
 def complete(rt, prompt: str) -> None:

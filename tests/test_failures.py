@@ -1,8 +1,6 @@
 """Replica failures: retries before the first byte, SSE errors after it, ejection and return."""
 
 import json
-import socket
-import sys
 import threading
 import time
 
@@ -10,7 +8,6 @@ import httpx
 import openai
 
 from helpers import HTTP, replicas_view, set_faults, sim_state, sse_events, wait_until
-from loadtest.cluster import Proc, free_port
 
 
 def complete(url: str, **extra) -> httpx.Response:
@@ -199,12 +196,7 @@ def test_a_replica_on_its_way_back_keeps_the_reason_it_went_out_until_it_is_read
 
 
 def test_a_replica_that_answers_its_health_check_after_the_timeout_is_not_ready(cluster):
-    sim = cluster.sim()
-    port = free_port()  # 600 ms each way between the router and the replica
-    cluster.procs.append(Proc("slow-net", [sys.executable, "-m", "loadtest.slow_proxy", "--port", str(port), "--to",
-                                           f"127.0.0.1:{sim.port}", "--delay-ms", "600"], port).start())
-    wait_until(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, timeout=10, interval=0.1)
-    url = f"http://127.0.0.1:{port}"
+    url = cluster.slow_link(cluster.sim(), delay_ms=600).url  # 600 ms each way between router and replica
     rt = cluster.router([url], "--set", "health.timeout_s=0.5", "--set", "health.interval_s=0.2", wait_ready=False)
     wait_until(lambda: replicas_view(rt)[url]["last_error"] is not None, timeout=5)
     time.sleep(2)  # several more checks, each cut at 0.5 s

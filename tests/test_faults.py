@@ -114,13 +114,9 @@ def test_redis_slowed_by_100_ms_under_load_fails_no_request(cluster, figure, tmp
     redis = redis_server(log_dir=tmp_path).start()
     cluster.procs.append(redis)
     wait_redis(redis)
-    port = free_port()
-    proxy = Proc("slow-redis", [sys.executable, "-m", "loadtest.slow_proxy", "--port", str(port), "--to",
-                                f"127.0.0.1:{redis.port}", "--delay-ms", "100"], port)
-    cluster.procs.append(proxy.start())
-    wait_until(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, timeout=10, interval=0.1)
+    slow = cluster.slow_link(redis, delay_ms=100)
     sims = [cluster.sim(*PACED) for _ in range(2)]
-    rt = cluster.router(sims, "--index", f"redis://127.0.0.1:{port}/0")
+    rt = cluster.router(sims, "--index", f"redis://127.0.0.1:{slow.port}/0")
     with Load(rt.url, clients=12, max_tokens=8) as load:
         steady(4.0)
     s = load.summary()

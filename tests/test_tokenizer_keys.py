@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import HTTP, SMALL_TEMPLATE, SMALL_WORDS, small_tokenizer
+from helpers import (HTTP, SMALL_TEMPLATE, SMALL_WORDS, prompt_keys, small_tokenizer,
+                     wait_keyed_by_tokens)
 from router.prefix import key_for
 from router.tokenizer import LocalTokenizer
 
@@ -141,11 +142,8 @@ def test_with_no_configuration_the_router_keys_by_the_tokenizer_the_replica_name
     from helpers import wait_until
     sim = cluster.sim("--ttft-ms", "1", "--itl-ms", "1", "--root", str(model_dir))
     rt = cluster.router([sim])
-
-    def keys():
-        return HTTP.get(rt.url + "/admin/replicas", timeout=2).json()["prompt_keys"]
-    wait_until(lambda: keys().get("tiny", {}).get("mode") == "tokens", timeout=5)
-    assert str(model_dir) in keys()["tiny"]["tokenizer"]
+    wait_keyed_by_tokens(rt, timeout=5)
+    assert str(model_dir) in prompt_keys(rt)["tiny"]["tokenizer"]
     wait_until(lambda: "its tokenizer from the model's folder" in rt.log_tail(20000), timeout=5)
 
 

@@ -16,7 +16,8 @@ import openai
 import pytest
 
 from conftest import Cluster
-from helpers import HTTP, openai_streams_through_a_kill, replicas_view, run_with_bypass, wait_until
+from helpers import (HTTP, openai_streams_through_a_kill, replicas_view, run_with_bypass, wait_keyed_by_tokens,
+                     wait_until)
 from loadtest import vllm_cluster
 from loadtest.cluster import Proc
 
@@ -158,8 +159,7 @@ def test_with_the_models_tokenizer_predicted_cached_tokens_match_vllms_hits(repl
     rt = c.router(replicas, *extra, wait_ready=False)
     try:
         rt.wait_http("/ready", timeout=30)
-        wait_until(lambda: HTTP.get(rt.url + "/admin/replicas").json()["prompt_keys"].get(
-            "tiny", {}).get("mode") == "tokens", timeout=10)
+        wait_keyed_by_tokens(rt, timeout=10)
         before = {p.url: vllm_cluster.metrics(p.url)["vllm:prefix_cache_hits_total"] for p in replicas}
         # prompts of this case only, from the first token on: the replicas' caches outlive each case's router
         systems = [f"{tokenizer} case, group {g}: " + " ".join(["alpha bravo charlie delta echo foxtrot"] * 60)
