@@ -26,10 +26,21 @@ ROOT = Path(__file__).resolve().parent.parent
 HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=5.0)
 
 
+# Ports handed out by this process. The kernel may give a just-closed port to the next bind(0): a replica's
+# HTTP port and its event ports, picked one after the other before the replica binds any, could then be the same.
+_issued: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now and not handed out before by this process."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _issued:
+            _issued.add(port)
+            return port
+    raise RuntimeError("no free port that was not handed out already")
 
 
 def free_ports(n: int) -> int:
@@ -91,7 +102,8 @@ class Proc:
         last: object = None
         while time.monotonic() < deadline:
             if self.popen is not None and self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}; log: {self.log_tail()}")
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}; first errors in its log: "
+                                   f"{self.log_errors()}; log: {self.log_tail()}")
             try:
                 r = HTTP.get(self.url + path, timeout=1.0)
                 if r.status_code == want:
@@ -102,6 +114,16 @@ class Proc:
             time.sleep(0.05)
         raise TimeoutError(f"{self.name} did not answer {path} with {want} in {timeout}s (last: {last!r}); "
                            f"log: {self.log_tail()}")
+
+    def log_errors(self, n: int = 12) -> str:
+        """The log's first ``n`` lines that name an error, with their line numbers: the root cause of a failed
+        start (vLLM's engine process writes it long before the API server's closing traceback)."""
+        if not (self.log_path and self.log_path.exists()):
+            return "(no log)"
+        lines = self.log_path.read_bytes().decode(errors="replace").splitlines()
+        hits = [f"{i + 1}: {line.strip()[:300]}" for i, line in enumerate(lines)
+                if any(w in line for w in ("Error", "error:", "ERROR", "Exception", "Killed"))]
+        return " | ".join(hits[:n]) or "(none)"
 
     def log_tail(self, n: int = 4000) -> str:
         if self.log_path and self.log_path.exists():

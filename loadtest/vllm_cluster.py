@@ -69,15 +69,31 @@ def kv_events_args(port: int | None = None, replay_port: int | None = None) -> t
 
 
 def start(procs: list[Proc], timeout: float = 600.0) -> list[Proc]:
-    """Start every replica at once and wait until each answers ``/health``; on failure stop them all."""
+    """Start every replica at once and wait until each answers ``/health``; on failure stop them all.
+
+    A replica that exits while starting is started once more: vLLM picks its internal
+    ports (``get_open_port``) by binding and closing them, so replicas starting side by side can race for
+    one. The first attempt's log stays in the replica's log, under a line saying it was started again."""
     for p in procs:
         p.start()
     try:
         errors: list[BaseException] = []
 
         def wait(p: Proc) -> None:
+            deadline = time.monotonic() + timeout
             try:
-                p.wait_http("/health", timeout=timeout)
+                try:
+                    p.wait_http("/health", timeout=timeout)
+                except RuntimeError:  # it exited: once more, unless the first attempt took the time
+                    if time.monotonic() > deadline - 60:
+                        raise
+                    if p.log_path is not None:
+                        with open(p.log_path, "a") as log:
+                            log.write(f"\n[vllm_cluster] {p.name} exited while starting (code "
+                                      f"{p.popen.returncode if p.popen else None}); starting it again\n")
+                    p.stop(timeout=5)
+                    p.start()
+                    p.wait_http("/health", timeout=deadline - time.monotonic())
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 errors.append(e)
 
