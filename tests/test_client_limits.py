@@ -140,3 +140,17 @@ def test_a_client_that_stops_reading_a_stream_is_disconnected_and_the_replica_ab
         assert ok.status_code == 200
     finally:
         s.close()
+
+
+def test_a_stream_longer_than_the_send_timeout_is_not_cut_while_the_client_reads_it(cluster):
+    """The limit is on each write, not on the answer: 40 tokens 50 ms apart outlast a 1 s send timeout."""
+    sim = cluster.sim("--ttft-ms", "1", "--itl-ms", "50")
+    rt = cluster.router([sim], "--set", "client.send_timeout_s=1")
+    started = time.monotonic()
+    with HTTP.stream("POST", rt.url + "/v1/completions", timeout=10, json={
+            "model": "tiny", "prompt": "x", "max_tokens": 40, "stream": True, "ignore_eos": True}) as r:
+        body = b"".join(r.iter_bytes())
+    assert time.monotonic() - started > 1.5
+    assert r.status_code == 200
+    assert body.count(b"data: {") == 40 and body.endswith(b"data: [DONE]\n\n")
+    assert refused(rt, "send_timeout") == 0
