@@ -44,16 +44,20 @@ def free_port() -> int:
 
 
 def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive free ports (for a process serving several replicas)."""
+    """The first of ``n`` consecutive free ports, none handed out before by this process (for a process serving
+    several replicas)."""
     import random
     for _ in range(100):
         base = random.randrange(20000, 60000 - n)
+        if not _issued.isdisjoint(range(base, base + n)):
+            continue
         socks = []
         try:
             for i in range(n):
                 s = socket.socket()
                 s.bind(("127.0.0.1", base + i))
                 socks.append(s)
+            _issued.update(range(base, base + n))
             return base
         except OSError:
             continue
