@@ -4,25 +4,25 @@
     python -m loadtest.calibrate check       # same workload: real replicas against simulated ``cpu`` ones
 
 Everything is read from vLLM's own clocks (its time-to-first-token, queue, prefill and decode
-histograms), with 3 real replicas of the tiny model (``deploy/setup-vllm.sh``) running at once behind
-kvroute, as the real-vLLM benchmarks run them: on 2 cores they slow each other down, and the profile
-stands for that machine, not for one quiet replica.
+histograms) and from the client's, with 3 real replicas of the tiny model (``deploy/setup-vllm.sh``)
+running at once behind kvroute, as the real-vLLM benchmarks run them.
 
 ``measure``: prompts of distinct token ids (nothing cached) of 128 to 2048 tokens, 4 at a time, give
 the prefill time per token (a least-squares line through vLLM's mean prefill time per length); 128
 output tokens of one and of four requests decoding at once on each replica give a decode step's fixed
 time and its cost per sequence; a shared-prefix workload of its own (8 groups x 6 prompts, 768-token
-system prompts) gives what a step with prefill costs beyond its tokens (``prefill_base_s``) and the API
-server's own time per request (time to first token less queue and prefill: ``frontend_s``). It prints
-the profile's figures for ``loadtest/profiles.py``.
+system prompts) gives what a step with prefill costs beyond its tokens (``prefill_base_s``) and the time
+a client waits beyond the engine's queue and prefill. The same workload against simulated replicas with
+those step costs and no API-server time tells how much of that wait the router and the simulator's own
+HTTP path already account for; the rest is the profile's ``frontend_s``. It prints the profile's figures
+for ``loadtest/profiles.py``.
 
 ``check`` runs another shared-prefix workload (12 groups x 6 prompts, 1024-token system prompts, seed 5)
-through kvroute against 3 real replicas (once to warm them up, then 3 times measured: the median run
-counts, since one run's median TTFT varies up to twofold on this machine), then against 3 simulated
-replicas with ``--profile cpu`` and the tiny model's tokenizer (same token counts), and compares
-vLLM's prefix-cache hit rate and the median time to first token. The profile should reproduce the
-hit rate within 2 points (a ``vllm``-marked test checks it) and the median TTFT within 25% (it does not:
-see the README).
+through kvroute against 3 real replicas (once to warm them up, then ``measure``, then 5 times measured:
+the median run counts), then 3 times against 3 simulated ``cpu`` replicas as ``loadtest/profiles.py``
+stores the profile and 3 times with the figures ``measure`` just found on this machine, and compares
+vLLM's prefix-cache hit rate and the median time to first token. A profile should reproduce the hit
+rate within 2 points and the median TTFT within 25% (``tests/test_calibration.py``, ``vllm`` marker).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 
 from . import vllm_cluster
-from .cluster import Proc, free_port, router, simulator
+from .cluster import Proc, free_ports, router, simulator
 
 BLOCK = 128
 BLOCKS = 104
@@ -144,15 +144,16 @@ def measure(urls: list[str], model: Path, out: Path) -> dict[str, float]:
     return {"prefill_s_per_token": slope, "prefill_intercept_s": intercept,
             "sweep_frontend_s": statistics.median(frontend),
             "decode_step_1_s": one_seq, "decode_step_4_s": four, "decode_s_per_seq": per_seq, "base_s": base,
-            "frontend_s": w["frontend_s"],
+            "vllm_frontend_s": w["frontend_s"], "beyond_engine_s": w["beyond_engine_s"],
             "prefill_base_s": max(0.0, w["prefill_s"] - base - slope * w["uncached_tokens"])}
 
 
 def calibration_run(urls: list[str], model: Path, out: Path, runs: int = 3) -> dict[str, float]:
     """A shared-prefix workload through kvroute (8 groups x 6 prompts, 768-token system prompts, seed 11; the check
     uses another), 4 clients, 4 output tokens, ``runs`` times from empty caches: the medians over the runs of vLLM's
-    own mean prefill time, the API server's time (time to first token less queue and prefill) and the uncached
-    tokens per request. One run says little: on this machine the same run's times vary twofold from one to the next."""
+    own mean prefill time, the API server's time by vLLM's clock (time to first token less queue and prefill), the
+    time a client waits beyond the engine's queue and prefill (``beyond_engine_s``: the API server's time before and
+    after vLLM's clock, kvroute, the sockets) and the uncached tokens per request."""
     from router.tokenizer import LocalTokenizer
 
     from .bench_vllm import run_policy, shared_prefix
@@ -161,15 +162,60 @@ def calibration_run(urls: list[str], model: Path, out: Path, runs: int = 3) -> d
     found: list[dict[str, float]] = []
     for i in range(runs):
         before = _summed(urls)
-        asyncio.run(run_policy(f"calibration-{i}", ["--policy", "cache-aware"], 1, urls, convs, 4, 4, out))
+        r = asyncio.run(run_policy(f"calibration-{i}", ["--policy", "cache-aware"], 1, urls, convs, 4, 4, out))
         after = _summed(urls)
         n = after["vllm:request_prefill_time_seconds_count"] - before["vllm:request_prefill_time_seconds_count"]
         pre = _mean(before, after, "vllm:request_prefill_time_seconds")
         uncached = (after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
                     - after["vllm:prefix_cache_hits_total"] + before["vllm:prefix_cache_hits_total"])
+        client = statistics.mean(s.ttfb_s for s in r.sent)
         found.append({"prefill_s": pre, "uncached_tokens": uncached / n if n else 0.0,
-                      "frontend_s": _frontend(before, after, pre)})
+                      "frontend_s": _frontend(before, after, pre),
+                      "beyond_engine_s": client - pre - _mean(before, after, "vllm:request_queue_time_seconds")})
     return {k: statistics.median(f[k] for f in found) for k in found[0]}
+
+
+def step_flags(m: dict[str, float], frontend_s: float) -> tuple[str, ...]:
+    """The simulator's flags for measured step costs and API server time (on top of ``--profile cpu``)."""
+    return ("--step-base-ms", f"{m['base_s'] * 1e3:.4g}", "--step-prefill-us-per-token",
+            f"{m['prefill_s_per_token'] * 1e6:.4g}", "--step-decode-us-per-seq", f"{m['decode_s_per_seq'] * 1e6:.4g}",
+            "--step-prefill-base-ms", f"{m['prefill_base_s'] * 1e3:.4g}", "--frontend-ms", f"{frontend_s * 1e3:.4g}")
+
+
+def fit_frontend(m: dict[str, float], model: Path, out: Path) -> float:
+    """The simulator's ``frontend_s`` for measured step costs: the time a client waits beyond the engine's queue and
+    prefill on real replicas, less what it waits beyond them on simulated ones with no frontend time (the router, the
+    simulator's own HTTP path), on the same calibration workload."""
+    with simulated(model, out, *step_flags(m, 0.0)) as urls:
+        sim = calibration_run(urls, model, out)
+    return max(0.0, m["beyond_engine_s"] - sim["beyond_engine_s"])
+
+
+def profile_text(m: dict[str, float]) -> str:
+    return ("StepCost(base_s={base_s:.4g}, prefill_s_per_token={prefill_s_per_token:.4g}, "
+            "decode_s_per_seq={decode_s_per_seq:.4g}, prefill_base_s={prefill_base_s:.4g}), "
+            "frontend_s={frontend_s:.4g}".format(**m))
+
+
+class simulated:
+    """Three simulated ``cpu`` replicas in one process (``flags`` on top of the profile), as a context: their URLs."""
+
+    def __init__(self, model: Path, out: Path, *flags: str) -> None:
+        self.port = free_ports(3)
+        self.proc = simulator(self.port, vllm_cluster.MODEL_NAME, "--replicas", "3", "--profile", "cpu", "--root",
+                              str(model), "--num-gpu-blocks", str(BLOCKS), "--kv-events", *flags, log_dir=out)
+
+    def __enter__(self) -> list[str]:
+        self.proc.start()
+        try:
+            self.proc.wait_http()
+        except BaseException:
+            self.proc.stop()
+            raise
+        return [f"http://127.0.0.1:{self.port + i}" for i in range(3)]
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.stop()
 
 
 def start_replicas(home: Path, n: int, out: Path) -> list[Proc]:
@@ -181,42 +227,45 @@ def start_replicas(home: Path, n: int, out: Path) -> list[Proc]:
         for i in range(n)], timeout=900)
 
 
-def check(out: Path, runs: int = 3) -> dict[str, dict[str, float]]:
-    """Same shared-prefix workload through kvroute: real replicas, then simulated ``cpu`` ones."""
+def _summary(found: list) -> dict[str, float]:
+    ttfts = sorted(r.latency(50) for r in found)
+    return {"hit_rate": statistics.median(r.hit_rate for r in found), "ttft_p50_ms": statistics.median(ttfts),
+            "ttft_p50_min_ms": ttfts[0], "ttft_p50_max_ms": ttfts[-1]}
+
+
+def check(out: Path, runs: int = 5) -> dict[str, dict[str, float]]:
+    """One shared-prefix workload through kvroute: real replicas (measured first, on its own calibration workload),
+    then simulated ``cpu`` ones twice: as ``loadtest/profiles.py`` stores the profile, and with the figures just
+    measured on this machine."""
     from router.tokenizer import LocalTokenizer
 
     from .bench_vllm import run_policy, shared_prefix
 
     home = vllm_cluster.setup()
     model = vllm_cluster.model_dir(home)
-    tok = LocalTokenizer(model)
-    convs = shared_prefix(tok, 12, 6, 1024, 64, seed=5)
+    convs = shared_prefix(LocalTokenizer(model), 12, 6, 1024, 64, seed=5)
     results: dict[str, dict[str, float]] = {}
+
+    def workload(name: str, urls: list[str], n: int) -> dict[str, float]:
+        return _summary([asyncio.run(run_policy(f"{name}-{i}", ["--policy", "cache-aware"], 1, urls, convs, 4, 4,
+                                                out)) for i in range(n)])
+
     procs = start_replicas(home, 3, out)
     try:
-        # once to warm the replicas up (a new vLLM CPU replica compiles on its first requests), then measured
-        # ``runs`` times, each from empty caches: the median run counts (one run's median TTFT varies twofold)
         urls = [p.url for p in procs]
+        # once to warm the replicas up (a new vLLM CPU replica compiles on its first requests), then measured
         asyncio.run(run_policy("warm", ["--policy", "cache-aware"], 1, urls, convs, 4, 4, out))
-        found = [asyncio.run(run_policy(f"real-{i}", ["--policy", "cache-aware"], 1, urls, convs, 4, 4, out))
-                 for i in range(runs)]
-        ttfts = sorted(r.latency(50) for r in found)
-        results["real vLLM"] = {"hit_rate": statistics.median(r.hit_rate for r in found),
-                                "ttft_p50_ms": statistics.median(ttfts), "ttft_p50_min_ms": ttfts[0],
-                                "ttft_p50_max_ms": ttfts[-1]}
+        measured = measure(urls, model, out)
+        results["real vLLM"] = workload("real", urls, runs)
     finally:
         for p in procs:
             p.stop(timeout=15)
-    port = free_port()
-    sims = simulator(port, vllm_cluster.MODEL_NAME, "--replicas", "3", "--profile", "cpu", "--root", str(model),
-                     "--num-gpu-blocks", str(BLOCKS), "--kv-events", log_dir=out).start()
-    try:
-        sims.wait_http()
-        urls = [f"http://127.0.0.1:{port + i}" for i in range(3)]
-        r = asyncio.run(run_policy("sim", ["--policy", "cache-aware"], 1, urls, convs, 4, 4, out))
-        results["simulated cpu profile"] = {"hit_rate": r.hit_rate, "ttft_p50_ms": r.latency(50)}
-    finally:
-        sims.stop()
+    measured["frontend_s"] = fit_frontend(measured, model, out)
+    with simulated(model, out) as urls:
+        results["stored cpu profile"] = workload("sim-stored", urls, 3)
+    with simulated(model, out, *step_flags(measured, measured["frontend_s"])) as urls:
+        results["cpu profile measured in this run"] = workload("sim-measured", urls, 3)
+    results["cpu profile measured in this run"]["profile"] = profile_text(measured)  # type: ignore[assignment]
     return results
 
 
@@ -229,26 +278,27 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(tempfile.mkdtemp(prefix="kvroute-calibrate-"))
     if args.what == "measure":
         home = vllm_cluster.setup()
+        model = vllm_cluster.model_dir(home)
         procs = start_replicas(home, args.replicas, out)
         try:
-            m = measure([p.url for p in procs], vllm_cluster.model_dir(home), out)
+            m = measure([p.url for p in procs], model, out)
         finally:
             for proc in procs:
                 proc.stop(timeout=15)
+        m["frontend_s"] = fit_frontend(m, model, out)
         for k, v in m.items():
             print(f"{k}: {v * 1e3:.3f} ms" if not k.endswith("per_token") else f"{k}: {v * 1e6:.2f} us")
-        print("as a profile: StepCost(base_s={base_s:.4g}, prefill_s_per_token={prefill_s_per_token:.4g}, "
-              "decode_s_per_seq={decode_s_per_seq:.4g}, prefill_base_s={prefill_base_s:.4g}), "
-              "frontend_s={frontend_s:.4g}".format(**m))
+        print("as a profile:", profile_text(m))
         return 0
     res = check(out)
+    real = res["real vLLM"]
     for name, r in res.items():
-        spread = (f" (runs: {r['ttft_p50_min_ms']:.0f} to {r['ttft_p50_max_ms']:.0f} ms)"
-                  if "ttft_p50_min_ms" in r else "")
-        print(f"{name}: hit rate {r['hit_rate']:.3f}, TTFT p50 {r['ttft_p50_ms']:.0f} ms{spread}")
-    real, sim = res["real vLLM"], res["simulated cpu profile"]
-    print(f"hit rate difference {abs(real['hit_rate'] - sim['hit_rate']) * 100:.1f} points (target <= 2), median TTFT "
-          f"ratio {sim['ttft_p50_ms'] / real['ttft_p50_ms']:.2f} (target 0.75-1.25)")
+        print(f"{name}: hit rate {r['hit_rate']:.3f}, TTFT p50 {r['ttft_p50_ms']:.1f} ms (runs: "
+              f"{r['ttft_p50_min_ms']:.1f} to {r['ttft_p50_max_ms']:.1f} ms)"
+              + ("" if r is real else f"; hit rate difference {abs(real['hit_rate'] - r['hit_rate']) * 100:.1f} "
+                 f"points (target <= 2), median TTFT ratio {r['ttft_p50_ms'] / real['ttft_p50_ms']:.2f} "
+                 "(target 0.75-1.25)"))
+    print("measured in this run:", res["cpu profile measured in this run"]["profile"])
     return 0
 
 

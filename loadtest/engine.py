@@ -236,6 +236,7 @@ class Engine:
         self.preemptions = 0
         self.prefill_seconds = 0.0  # summed over requests, from first scheduled to first token
         self.prefill_requests = 0
+        self.queue_seconds = 0.0  # summed over requests, from arrival at the engine to first scheduled
         self.ttft = Histogram(TTFT_BUCKETS)  # engine seconds from arrival at the API server to the first token
 
     # -- requests ------------------------------------------------------------------------------
@@ -352,6 +353,7 @@ class Engine:
                 req.first_token_at = self.now
                 self.ttft.observe(self.frontend_s + self.now - req.arrival)
                 self.prefill_seconds += self.now - req.scheduled_at  # vLLM's prefill time: scheduled to first token
+                self.queue_seconds += req.scheduled_at - req.arrival  # vLLM's queue time: arrival to scheduled
                 self.prefill_requests += 1
             tokens.append(req)
             if req.output >= req.max_tokens:

@@ -112,17 +112,17 @@ def derive(name: str, platform: str, model: ModelShape, device: Device, tp: int,
 
 
 # The project's tiny Llama on this machine's real vLLM CPU replicas (deploy/setup-vllm.sh), measured with
-# `python -m loadtest.calibrate measure` on 2026-11-30, three replicas at once behind kvroute on 2 cores (as the
-# real-vLLM benchmarks run them; they slow each other down about threefold against one quiet replica), by vLLM's
-# own histograms (the medians of 3 runs where one run says little): prefill 43.7 us per token, 31.5 ms more for
-# a step with prefill, a decode step 2.9 ms plus 0.3 ms per sequence, and 62 ms per request in the API server
-# before the engine. 104 blocks of 128 tokens and 16 sequences, as the real-vLLM benchmarks run it;
+# `python -m loadtest.calibrate measure` on 2026-12-02, three replicas at once behind kvroute on 2 cores (as the
+# real-vLLM benchmarks run them, each with its engine in one process: loadtest/vllm_cluster.py), by vLLM's own
+# histograms and the client's clock: prefill 12.0 us per token, 2.0 ms more for a step with prefill, a decode step
+# 1.9 ms plus 0.04 ms per sequence, and 16.9 ms per request in the API server beyond what the router and the
+# simulator's own HTTP path take. 104 blocks of 128 tokens and 16 sequences, as the real-vLLM benchmarks run it;
 # max_num_batched_tokens 2048 is assumed.
 CPU = Profile("cpu", block_size=128, num_gpu_blocks=104, max_num_seqs=16, max_num_batched_tokens=2048,
-              cost=StepCost(base_s=2.94e-3, prefill_s_per_token=43.7e-6, decode_s_per_seq=0.30e-3,
-                            context_s_per_token=0.0, prefill_base_s=31.5e-3),
+              cost=StepCost(base_s=1.898e-3, prefill_s_per_token=12.01e-6, decode_s_per_seq=0.039e-3,
+                            context_s_per_token=0.0, prefill_base_s=2.016e-3),
               source="the tiny Llama on 3 of this machine's vLLM 0.32 CPU replicas at once, measured by "
-                     "loadtest/calibrate.py", frontend_s=61.9e-3)
+                     "loadtest/calibrate.py", frontend_s=16.94e-3)
 
 PROFILES: dict[str, Profile] = {
     p.name: p for p in (

@@ -666,7 +666,13 @@ class VLLMSimulator:
                       f'vllm:request_prefill_time_seconds_bucket{{engine="0",le="+Inf",model_name="{self.model}"}} '
                       f'{float(e.prefill_requests)}',
                       f"vllm:request_prefill_time_seconds_count{{{lab}}} {float(e.prefill_requests)}",
-                      f"vllm:request_prefill_time_seconds_sum{{{lab}}} {e.prefill_seconds}"]
+                      f"vllm:request_prefill_time_seconds_sum{{{lab}}} {e.prefill_seconds}",
+                      "# HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request.",
+                      "# TYPE vllm:request_queue_time_seconds histogram",
+                      f'vllm:request_queue_time_seconds_bucket{{engine="0",le="+Inf",model_name="{self.model}"}} '
+                      f'{float(e.prefill_requests)}',
+                      f"vllm:request_queue_time_seconds_count{{{lab}}} {float(e.prefill_requests)}",
+                      f"vllm:request_queue_time_seconds_sum{{{lab}}} {e.queue_seconds}"]
             h = e.ttft
             lines += ["# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
                       "# TYPE vllm:time_to_first_token_seconds histogram"]

@@ -124,6 +124,15 @@ def test_prefill_time_is_summed_per_request_from_first_scheduled_to_first_token_
     assert e.prefill_requests == 2 and e.prefill_seconds == pytest.approx(0.02 + 0.01)
 
 
+def test_queue_time_is_summed_per_request_from_arrival_to_first_scheduled_as_vllm_counts_it():
+    e, _ = engine(max_num_batched_tokens=64, cost=StepCost(base_s=0.01, prefill_s_per_token=0.0,
+                                                          decode_s_per_seq=0.0, context_s_per_token=0.0))
+    e.add(Request("a", prompt(1, 100), max_tokens=1))  # scheduled at once
+    e.add(Request("b", prompt(2, 10), max_tokens=1))  # no token budget left in the first step: waits one step
+    run(e)
+    assert e.queue_seconds == pytest.approx(0.01)
+
+
 def test_at_most_max_num_seqs_run_and_the_rest_wait_in_arrival_order():
     e, _ = engine(max_num_seqs=2)
     reqs = [Request(str(i), prompt(i + 1, 20), max_tokens=2) for i in range(4)]
