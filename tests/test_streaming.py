@@ -72,6 +72,20 @@ def test_stalled_stream_ends_with_an_sse_error_event(cluster):
     wait_until(lambda: sim_state(sim)["aborted"] == 1, timeout=1.0)
 
 
+def test_a_stream_longer_than_the_idle_timeout_is_not_cut_while_its_events_keep_coming(cluster):
+    """The idle limit is on each wait for the replica's next event: 40 tokens 50 ms apart outlast 0.5 s."""
+    sim = cluster.sim("--ttft-ms", "1", "--itl-ms", "50")
+    rt = cluster.router([sim], "--set", "proxy.stream_idle_timeout_s=0.5")
+    started = time.monotonic()
+    r = HTTP.post(rt.url + "/v1/completions", timeout=10, json={
+        "model": "tiny", "prompt": "x", "max_tokens": 40, "stream": True, "ignore_eos": True})
+    events = sse_events(r.content)
+    assert time.monotonic() - started > 1.5
+    assert r.status_code == 200
+    assert len(events) == 40 + 1 and events[-1] == "[DONE]"
+    assert not [e for e in events[:-1] if "error" in json.loads(e)]
+
+
 def test_replica_dropping_the_stream_ends_it_with_an_sse_error_event(cluster):
     sim = cluster.sim()
     rt = cluster.router([sim])
