@@ -32,6 +32,8 @@ import asyncio
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -197,25 +199,18 @@ def profile_text(m: dict[str, float]) -> str:
             "frontend_s={frontend_s:.4g}".format(**m))
 
 
-class simulated:
-    """Three simulated ``cpu`` replicas in one process (``flags`` on top of the profile), as a context: their URLs."""
-
-    def __init__(self, model: Path, out: Path, *flags: str) -> None:
-        self.port = free_ports(3)
-        self.proc = simulator(self.port, vllm_cluster.MODEL_NAME, "--replicas", "3", "--profile", "cpu", "--root",
-                              str(model), "--num-gpu-blocks", str(BLOCKS), "--kv-events", *flags, log_dir=out)
-
-    def __enter__(self) -> list[str]:
-        self.proc.start()
-        try:
-            self.proc.wait_http()
-        except BaseException:
-            self.proc.stop()
-            raise
-        return [f"http://127.0.0.1:{self.port + i}" for i in range(3)]
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.stop()
+@contextmanager
+def simulated(model: Path, out: Path, *flags: str) -> Iterator[list[str]]:
+    """Three simulated ``cpu`` replicas in one process (``flags`` on top of the profile), while the block runs: their
+    URLs."""
+    port = free_ports(3)
+    proc = simulator(port, vllm_cluster.MODEL_NAME, "--replicas", "3", "--profile", "cpu", "--root", str(model),
+                     "--num-gpu-blocks", str(BLOCKS), "--kv-events", *flags, log_dir=out).start()
+    try:
+        proc.wait_http()
+        yield [f"http://127.0.0.1:{port + i}" for i in range(3)]
+    finally:
+        proc.stop()
 
 
 def start_replicas(home: Path, n: int, out: Path) -> list[Proc]:
