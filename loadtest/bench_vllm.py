@@ -403,11 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "straight to a random replica, not through the router.")
     tokenizer: list[str] = []  # the default (prefix.tokenizer: auto) finds the model's folder the replicas report
     knobs = [a for kv in args.set for a in ("--set", kv)]
-    started: list[Proc] = [] if args.use else vllm_cluster.start([
-        vllm_cluster.replica(home, num_gpu_blocks=args.num_gpu_blocks, log_dir=log_dir, name=f"vllm-{i}",
-                             dev_mode=True,  # dev mode: /reset_prefix_cache
-                             extra=(*vllm_cluster.kv_events_args(), "--enable-prompt-tokens-details"))
-        for i in range(3)], timeout=900)
+    started: list[Proc] = [] if args.use else vllm_cluster.start_for_benchmarks(home, 3, args.num_gpu_blocks, log_dir)
     replicas = args.use or [p.url for p in started]
     blocks = [int(vllm_cluster.cache_config(url)["num_gpu_blocks"]) for url in replicas]
     report: list[str] = []

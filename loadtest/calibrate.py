@@ -35,11 +35,15 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from . import vllm_cluster
-from .cluster import Proc, free_ports, router, simulator
+from .cluster import free_ports, router, simulator
+
+if TYPE_CHECKING:
+    from .bench_vllm import RunResult
 
 BLOCK = 128
 BLOCKS = 104
@@ -213,25 +217,16 @@ def simulated(model: Path, out: Path, *flags: str) -> Iterator[list[str]]:
         proc.stop()
 
 
-def start_replicas(home: Path, n: int, out: Path) -> list[Proc]:
-    """Real replicas as the benchmarks run them: KV-cache events, prompt token details, the dev endpoints (cache
-    reset between runs)."""
-    return vllm_cluster.start([
-        vllm_cluster.replica(home, num_gpu_blocks=BLOCKS, log_dir=out, name=f"vllm-{i}", dev_mode=True,
-                             extra=(*vllm_cluster.kv_events_args(), "--enable-prompt-tokens-details"))
-        for i in range(n)], timeout=900)
-
-
-def _summary(found: list) -> dict[str, float]:
+def _summary(found: list[RunResult]) -> dict[str, float]:
     ttfts = sorted(r.latency(50) for r in found)
     return {"hit_rate": statistics.median(r.hit_rate for r in found), "ttft_p50_ms": statistics.median(ttfts),
             "ttft_p50_min_ms": ttfts[0], "ttft_p50_max_ms": ttfts[-1]}
 
 
-def check(out: Path, runs: int = 5) -> dict[str, dict[str, float]]:
+def check(out: Path, runs: int = 5) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """One shared-prefix workload through kvroute: real replicas (measured first, on its own calibration workload),
     then simulated ``cpu`` ones twice: as ``loadtest/profiles.py`` stores the profile, and with the figures just
-    measured on this machine."""
+    measured on this machine. Returns each one's summary, and the figures measured."""
     from router.tokenizer import LocalTokenizer
 
     from .bench_vllm import run_policy, shared_prefix
@@ -245,7 +240,7 @@ def check(out: Path, runs: int = 5) -> dict[str, dict[str, float]]:
         return _summary([asyncio.run(run_policy(f"{name}-{i}", ["--policy", "cache-aware"], 1, urls, convs, 4, 4,
                                                 out)) for i in range(n)])
 
-    procs = start_replicas(home, 3, out)
+    procs = vllm_cluster.start_for_benchmarks(home, 3, BLOCKS, out)
     try:
         urls = [p.url for p in procs]
         # once to warm the replicas up (a new vLLM CPU replica compiles on its first requests), then measured
@@ -260,8 +255,7 @@ def check(out: Path, runs: int = 5) -> dict[str, dict[str, float]]:
         results["stored cpu profile"] = workload("sim-stored", urls, 3)
     with simulated(model, out, *step_flags(measured, measured["frontend_s"])) as urls:
         results["cpu profile measured in this run"] = workload("sim-measured", urls, 3)
-    results["cpu profile measured in this run"]["profile"] = profile_text(measured)  # type: ignore[assignment]
-    return results
+    return results, measured
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "measure":
         home = vllm_cluster.setup()
         model = vllm_cluster.model_dir(home)
-        procs = start_replicas(home, args.replicas, out)
+        procs = vllm_cluster.start_for_benchmarks(home, args.replicas, BLOCKS, out)
         try:
             m = measure([p.url for p in procs], model, out)
         finally:
@@ -285,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{k}: {v * 1e3:.3f} ms" if not k.endswith("per_token") else f"{k}: {v * 1e6:.2f} us")
         print("as a profile:", profile_text(m))
         return 0
-    res = check(out)
+    res, measured = check(out)
     real = res["real vLLM"]
     for name, r in res.items():
         print(f"{name}: hit rate {r['hit_rate']:.3f}, TTFT p50 {r['ttft_p50_ms']:.1f} ms (runs: "
@@ -293,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
               + ("" if r is real else f"; hit rate difference {abs(real['hit_rate'] - r['hit_rate']) * 100:.1f} "
                  f"points (target <= 2), median TTFT ratio {r['ttft_p50_ms'] / real['ttft_p50_ms']:.2f} "
                  "(target 0.75-1.25)"))
-    print("measured in this run:", res["cpu profile measured in this run"]["profile"])
+    print("measured in this run:", profile_text(measured))
     return 0
 
 

@@ -116,6 +116,14 @@ def start(procs: list[Proc], timeout: float = 600.0) -> list[Proc]:
     return procs
 
 
+def start_for_benchmarks(home: Path, n: int, num_gpu_blocks: int, log_dir: Path) -> list[Proc]:
+    """``n`` replicas as the real-vLLM benchmarks run them, started: KV-cache events with a replay endpoint, cached
+    tokens in each answer's usage, the development endpoints (a cache reset between runs)."""
+    return start([replica(home, num_gpu_blocks=num_gpu_blocks, log_dir=log_dir, name=f"vllm-{i}", dev_mode=True,
+                          extra=(*kv_events_args(), "--enable-prompt-tokens-details"))
+                  for i in range(n)], timeout=900)
+
+
 def metrics(url: str) -> dict[str, float]:
     """A replica's ``vllm:*`` samples summed over their labels (``_total`` kept in counter names).
 

@@ -9,7 +9,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
-    return calibrate.check(tmp_path_factory.mktemp("calibration"))
+    results, _ = calibrate.check(tmp_path_factory.mktemp("calibration"))
+    return results
 
 
 @pytest.mark.parametrize("profile", ["stored cpu profile", "cpu profile measured in this run"])
