@@ -228,7 +228,9 @@ def test_precise_index_predicts_vllms_cached_tokens_exactly_while_a_client_bypas
         c.stop_all()
 
 
-TOKENS = 128  # per stream in the kill test
+# per stream in the kill test: long enough that the kill lands while some are generating (with 128, a replica
+# that no longer spins could send every token before the kill, and no stream was left to continue)
+TOKENS = 512
 
 
 def test_streams_on_a_killed_replica_complete_on_the_other_with_every_token(gateway, replicas):
