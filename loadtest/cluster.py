@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -127,7 +128,11 @@ class Proc:
         lines = self.log_path.read_bytes().decode(errors="replace").splitlines()
         hits = [f"{i + 1}: {line.strip()[:300]}" for i, line in enumerate(lines)
                 if any(w in line for w in ("Error", "error:", "ERROR", "Exception", "Killed"))]
-        return " | ".join(hits[:n]) or "(none)"
+        # vLLM prefixes every line of a traceback with ERROR, so the first hits are its opening frames: the
+        # exceptions themselves ("SomethingError: why") come first
+        raised = [f"{i + 1}: {line.strip()[:300]}" for i, line in enumerate(lines)
+                  if re.search(r"\b\w*(Error|Exception): ", line)]
+        return " | ".join(raised[:n] + hits[:n]) or "(none)"
 
     def log_tail(self, n: int = 4000) -> str:
         if self.log_path and self.log_path.exists():
