@@ -10,7 +10,10 @@ Redis where its command asks for one), and the same seeded request sequence is s
 rate (``loadtest.load``; with several router instances, requests take turns). Shares per replica come
 from the replicas' own request counters, so every router is measured alike. The rates are fractions
 of the cluster's saturation throughput, measured first: a closed-loop run through kvroute with many
-requests in flight. A router that is not installed is reported as skipped. Results go to
+requests in flight. A router that is not installed is reported as skipped. ``pinned`` is no router: the
+load generator sends each group (conversation) straight to replica number group mod N, the placement a
+cache-aware router aims for without any router's time in it, and the report compares kvroute with it
+as a reference. Results go to
 ``loadtest/results/<name>/``: ``results.json``, ``results.md`` with the targets checked and, with
 matplotlib, ``ttft_p90.png`` and ``throughput.png`` (one line per router); a full run also replaces
 its section of the README (between ``<!-- cluster-bench:<name> -->`` markers).
@@ -23,6 +26,7 @@ import asyncio
 import json
 import shlex
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,16 +44,20 @@ from .tiny_model import write_tokenizer
 
 @dataclass
 class RouterSpec:
-    """One line of the routers file: a command with placeholders, and how many instances run it."""
+    """One line of the routers file: a command with placeholders, and how many instances run it; or
+    ``{pinned: true}``, no router at all: each group or conversation sent straight to one replica."""
 
     name: str
     command: str
     instances: int = 1
+    pinned: bool = False
 
     @classmethod
     def parse(cls, name: str, entry: str | dict[str, Any]) -> "RouterSpec":
         if isinstance(entry, str):
             return cls(name, entry)
+        if entry.get("pinned"):
+            return cls(name, "", 0, pinned=True)
         return cls(name, str(entry["command"]), int(entry.get("instances", 1)))
 
     @property
@@ -67,6 +75,8 @@ class RouterSpec:
 
     def installed(self) -> str | None:
         """The executable's name when it is missing."""
+        if self.pinned:
+            return None
         exe = shlex.split(self.command)[0]
         return None if exe.startswith("{python}") or _executable(exe) else exe
 
@@ -143,10 +153,15 @@ class RouterRun:
 
     procs: list[Proc]
     redis: Proc | None = None
+    replicas: list[str] = field(default_factory=list)  # pinned: no router, the replicas themselves
 
     @property
     def target(self) -> str:
-        return ",".join(p.url for p in self.procs)
+        return ",".join([p.url for p in self.procs] or self.replicas)
+
+    @property
+    def pinned(self) -> bool:
+        return not self.procs
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -172,6 +187,8 @@ def _ready(proc: Proc, deadline: float) -> bool:
 
 
 def start_router(spec: RouterSpec, fleet: Fleet, out: Path) -> RouterRun:
+    if spec.pinned:
+        return RouterRun([], replicas=fleet.urls)
     run = RouterRun([])
     redis = ""
     if spec.needs_redis:
@@ -191,10 +208,10 @@ def start_router(spec: RouterSpec, fleet: Fleet, out: Path) -> RouterRun:
     return run
 
 
-def workload_args(cfg: dict[str, Any], target: str, urls: list[str]) -> list[str]:
+def workload_args(cfg: dict[str, Any], rt: RouterRun, urls: list[str]) -> list[str]:
     w = cfg["workload"]
-    args = ["--target", target, "--replicas", ",".join(urls), "--workload", w["kind"],
-            "--requests", str(cfg["requests_per_rate"]), "--words", "tiny-model"]
+    args = ["--target", rt.target, "--replicas", ",".join(urls), "--workload", w["kind"],
+            "--requests", str(cfg["requests_per_rate"]), "--words", "tiny-model"] + (["--pin"] if rt.pinned else [])
     for key in ("groups", "prompts_per_group", "system_tokens", "question_tokens", "output_tokens", "conversations",
                 "turns", "think_s", "prefixes", "warmup"):
         if key in w:
@@ -207,7 +224,7 @@ def saturation(cfg: dict[str, Any], spec: RouterSpec, out: Path, root: Path) -> 
     rt = None
     try:
         rt = start_router(spec, fleet, out)
-        args = load.parser().parse_args(workload_args(cfg, rt.target, fleet.urls) + [
+        args = load.parser().parse_args(workload_args(cfg, rt, fleet.urls) + [
             "--closed-loop", "--concurrency", str(cfg.get("saturation_concurrency", 128))])
         res = asyncio.run(load.run(args))
         return float(res["rows"][0]["achieved_rps"])
@@ -225,7 +242,7 @@ def run_router(spec: RouterSpec, cfg: dict[str, Any], sat: float, out: Path, roo
         rt = None
         try:
             rt = start_router(spec, fleet, out)
-            args = load.parser().parse_args(workload_args(cfg, rt.target, fleet.urls) +
+            args = load.parser().parse_args(workload_args(cfg, rt, fleet.urls) +
                                             ["--rates", f"{fraction * sat:.3f}"])
             row = asyncio.run(load.run(args))["rows"][0]
             rows.append({**row, "load_fraction": fraction})
@@ -233,7 +250,7 @@ def run_router(spec: RouterSpec, cfg: dict[str, Any], sat: float, out: Path, roo
             if rt is not None:
                 rt.stop()
             fleet.stop()
-    return {"router": spec.name, "rows": rows}
+    return {"router": spec.name, "rows": rows, **({"pinned": True} if spec.pinned else {})}
 
 
 def describe(cfg: dict[str, Any]) -> str:
@@ -250,7 +267,8 @@ def _row_at(res: dict[str, Any], fraction: float) -> dict[str, Any] | None:
 def verdicts(results: list[dict[str, Any]], mixed: bool = False) -> list[str]:
     """kvroute (its defaults) against the best of the other routers, at 70% of saturation and at saturation."""
     ours = next((r for r in results if r["router"] == "kvroute"), None)
-    others = [r for r in results if not r["router"].startswith("kvroute")]
+    others = [r for r in results if not r["router"].startswith("kvroute") and not r.get("pinned")]
+    pinned = next((r for r in results if r.get("pinned")), None)
     if ours is None:
         return []
     out = []
@@ -262,6 +280,16 @@ def verdicts(results: list[dict[str, Any]], mixed: bool = False) -> list[str]:
         out.append(f"- At 70% of saturation, kvroute's TTFT p90 is {at70['ttft_p90_ms']:.0f} ms against "
                    f"{best70[0]['ttft_p90_ms']:.0f} ms for the best other router ({best70[1]}): {ratio:.2f}x "
                    f"(target <= 0.5: {'met' if ratio <= 0.5 else 'NOT met'}).")
+    ref70 = _row_at(pinned, 0.7) if pinned else None
+    if at70 and ref70 and ref70["ttft_p90_ms"]:
+        line = (f"- Reference, {pinned['router']} (each group or conversation sent straight to one replica, no "
+                f"router): TTFT p90 {ref70['ttft_p90_ms']:.0f} ms at 70% of saturation; kvroute's is "
+                f"{at70['ttft_p90_ms'] / ref70['ttft_p90_ms']:.2f}x that.")
+        if best70[0]:
+            half = best70[0]["ttft_p90_ms"] / 2
+            line += (f" Half the best other router's p90, {half:.0f} ms, is "
+                     f"{'below' if half < ref70['ttft_p90_ms'] else 'above'} the reference's.")
+        out.append(line)
     at100 = _row_at(ours, 1.0)
     best100 = max(((_row_at(o, 1.0), o["router"]) for o in others if _row_at(o, 1.0)),
                   key=lambda t: t[0]["output_tokens_per_s"], default=(None, ""))
@@ -315,7 +343,8 @@ def plots(results: list[dict[str, Any]], out: Path) -> list[str]:
         for res in results:
             xs = [r["offered_rate"] for r in res["rows"]]
             ys = [r[key] for r in res["rows"]]
-            ax.plot(xs, ys, marker="o", label=res["router"])
+            style = {"linestyle": "--", "color": "black"} if res.get("pinned") else {}  # the reference
+            ax.plot(xs, ys, marker="o", label=res["router"], **style)
         ax.set_xlabel("offered load (requests/s)")
         ax.set_ylabel(label)
         if key == "ttft_p90_ms":
@@ -355,13 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="results here (default: loadtest/results/NAME); the README is updated "
                    "only with the default")
     args = p.parse_args(argv)
+    # Each cluster and router runs in a session of its own; on SIGTERM, unwind so that they are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     cfg = yaml.safe_load(args.config.read_text())
     path = args.config.resolve()
     cfg["_path"] = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
     specs = {name: RouterSpec.parse(name, entry) for name, entry in yaml.safe_load(args.routers.read_text()).items()}
     if args.quick:
         w = cfg["workload"]
-        for key in ("groups", "conversations"):
+        for key in ("groups", "conversations", "warmup"):  # the warm-up is one prompt per group
             if key in w:
                 w[key] = max(2, w[key] // 5)
         cfg["requests_per_rate"] = max(20, cfg["requests_per_rate"] // 5)

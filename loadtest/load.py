@@ -22,7 +22,9 @@ Workloads, each with the parameters of the tool it comes from, so that results c
 
 Lengths are in tokens: of the stand-in replica's byte mode by default (4 bytes per token: three
 letters and a space), of the tiny model's tokenizer with ``--words tiny-model``; against another
-model they are approximate. ``--target`` takes several routers, comma-separated, in turn. Reported
+model they are approximate. ``--target`` takes several routers, comma-separated, in turn; ``--pin`` sends
+each group (conversation, prefix) to one of them instead, with the replicas as targets a reference
+placement that no router stands in front of. Reported
 per rate: time to first token p50/p90/p99, inter-token latency p50/p90, end-to-end latency p50/p90,
 output tokens/s, requests/s achieved, errors, each replica's share of the requests
 (``x-kvroute-replica``), and with ``--replicas`` the prefix-cache hit rate by the replicas' own counters.
@@ -37,7 +39,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -66,6 +68,7 @@ class Turn:
     max_tokens: int
     conversation: int = -1  # turns of one conversation go in order, ``think_s`` after the previous answer
     think_s: float = 0.0
+    affinity: int = -1  # what its cache depends on: its group, conversation or prefix (``--pin``)
 
 
 def shared_prefix(groups: int, prompts_per_group: int, system_tokens: int, question_tokens: int,
@@ -78,7 +81,8 @@ def shared_prefix(groups: int, prompts_per_group: int, system_tokens: int, quest
         rng.shuffle(order)
         for g in order:
             out.append(Turn([{"role": "system", "content": systems[g]},
-                             {"role": "user", "content": words(rng, question_tokens, vocabulary)}], output_tokens))
+                             {"role": "user", "content": words(rng, question_tokens, vocabulary)}], output_tokens,
+                            affinity=g))
     return out
 
 
@@ -91,7 +95,7 @@ def multi_turn(conversations: int, turns: int, system_tokens: int, user_tokens: 
         history = [{"role": "system", "content": system}]
         for _ in range(turns):
             history.append({"role": "user", "content": words(rng, user_tokens, vocabulary)})
-            out.append(Turn(list(history), output_tokens, conversation=c, think_s=think_s))
+            out.append(Turn(list(history), output_tokens, conversation=c, think_s=think_s, affinity=c))
             history.append({"role": "assistant", "content": words(rng, output_tokens, vocabulary)})
     return out
 
@@ -100,8 +104,12 @@ def prefix_repetition(prompts: int, prefixes: int, prefix_tokens: int, suffix_to
                       seed: int = 0, vocabulary: list[str] = SYLLABLES) -> list[Turn]:
     rng = random.Random(seed)
     heads = [words(rng, prefix_tokens, vocabulary) for _ in range(prefixes)]
-    return [Turn([{"role": "user", "content": rng.choice(heads) + words(rng, suffix_tokens, vocabulary)}],
-                 output_tokens) for _ in range(prompts)]
+    out = []
+    for _ in range(prompts):
+        h = rng.randrange(prefixes)  # the same draws as rng.choice(heads)
+        out.append(Turn([{"role": "user", "content": heads[h] + words(rng, suffix_tokens, vocabulary)}],
+                        output_tokens, affinity=h))
+    return out
 
 
 # -- one request ------------------------------------------------------------------------------
@@ -184,12 +192,26 @@ class Progress:
             self.stream.flush()
 
 
-async def run_open(targets: list[str], model: str, turns: list[Turn], rate: float, seed: int,
+@dataclass(frozen=True)
+class Targets:
+    """Where each turn goes. Turn ``i`` goes to ``urls[i % len(urls)]``: with several routers, consecutive turns
+    of a conversation meet different ones, as behind a load balancer. Pinned, it goes to
+    ``urls[turn.affinity % len(urls)]``: with the replicas as the URLs, every group or conversation stays on
+    one replica with no router in between, the placement a cache-aware router aims for, as a reference."""
+
+    urls: list[str]
+    pinned: bool = False
+
+    def __call__(self, i: int, turn: Turn) -> str:
+        if self.pinned and turn.affinity >= 0:
+            return self.urls[turn.affinity % len(self.urls)]
+        return self.urls[i % len(self.urls)]
+
+
+async def run_open(targets: Targets, model: str, turns: list[Turn], rate: float, seed: int,
                    client: httpx.AsyncClient, label: str) -> tuple[list[Result], float]:
     """Each turn starts at its Poisson arrival time; a conversation's next turn waits for the previous
-    answer plus the think time (then it is not earlier than its arrival either). Turn ``i`` goes to
-    ``targets[i % len(targets)]``: with several routers, consecutive turns of a conversation meet different
-    ones, as behind a load balancer."""
+    answer plus the think time (then it is not earlier than its arrival either)."""
     started = time.perf_counter()
     progress = Progress(label, len(turns))
     previous: dict[int, asyncio.Task[Result]] = {}
@@ -201,7 +223,7 @@ async def run_open(targets: list[str], model: str, turns: list[Turn], rate: floa
         delay = at - (time.perf_counter() - started)
         if delay > 0:
             await asyncio.sleep(delay)
-        res = await send(client, targets[i % len(targets)], model, turn, started)
+        res = await send(client, targets(i, turn), model, turn, started)
         progress.tick()
         return res
 
@@ -216,7 +238,7 @@ async def run_open(targets: list[str], model: str, turns: list[Turn], rate: floa
     return results, time.perf_counter() - started
 
 
-async def run_closed(targets: list[str], model: str, turns: list[Turn], concurrency: int,
+async def run_closed(targets: Targets, model: str, turns: list[Turn], concurrency: int,
                      client: httpx.AsyncClient, label: str) -> tuple[list[Result], float]:
     started = time.perf_counter()
     progress = Progress(label, len(turns))
@@ -226,7 +248,7 @@ async def run_closed(targets: list[str], model: str, turns: list[Turn], concurre
     async def worker() -> None:
         while queue:
             i, turn = queue.pop()
-            results.append(await send(client, targets[i % len(targets)], model, turn, started))
+            results.append(await send(client, targets(i, turn), model, turn, started))
             progress.tick()
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -330,8 +352,9 @@ def build_workload(args: argparse.Namespace) -> list[Turn]:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     turns = build_workload(args)
-    targets = [u for u in args.target.split(",") if u]
-    warmup, turns = turns[:args.warmup], turns[args.warmup:]
+    targets = Targets([u for u in args.target.split(",") if u], args.pin)
+    # the warm-up leaves prompts in the caches and in the routers' indexes: one output token does that
+    warmup, turns = [replace(t, max_tokens=1) for t in turns[:args.warmup]], turns[args.warmup:]
     if args.requests:
         turns = turns[:args.requests]
     replicas = [u for u in (args.replicas or "").split(",") if u]
@@ -367,6 +390,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.load", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="base URL of the router (or of a replica); several, "
                    "comma-separated, take turns")
+    p.add_argument("--pin", action="store_true", help="send each group's (conversation's, prefix's) requests to one "
+                   "target, the group's number modulo the targets: with the replicas as --target, the placement a "
+                   "cache-aware router aims for, without a router (a reference)")
     p.add_argument("--words", choices=sorted(VOCABULARIES), default="syllables", help="prompt words, one token "
                    "each: syllables for the stand-in's byte mode, tiny-model for the tiny model's tokenizer")
     p.add_argument("--model", default="tiny")
@@ -387,7 +413,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--think-s", type=float, default=1.0, help="multi-turn: pause between an answer and the next turn")
     p.add_argument("--prefixes", type=int, default=8, help="prefix-repetition: distinct prefixes")
     p.add_argument("--warmup", type=int, default=0, help="send the workload's first N requests first, 8 at a "
-                   "time, unmeasured (with shared-prefix, the number of groups warms every group's prefix)")
+                   "time and one output token each, unmeasured (with shared-prefix, the number of groups warms every "
+                   "group's prefix)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--out", type=Path, help="write results.json and results.md here")

@@ -16,11 +16,11 @@ def test_a_small_mixed_cluster_benchmark_writes_its_tables_and_skips_what_is_not
               "workload": {"kind": "shared-prefix", "groups": 3, "prompts_per_group": 4, "system_tokens": 256,
                            "question_tokens": 16, "output_tokens": 4},
               "requests_per_rate": 12, "rates": [0.7, 1.0], "saturation_concurrency": 8,
-              "routers": ["kvroute", "kvroute-redis-2", "no-such-router"]}
+              "routers": ["kvroute", "kvroute-redis-2", "no-such-router", "pinned"]}
     routers = {"kvroute": "{python} -m router serve --port {port} --config {config}",
                "kvroute-redis-2": {"command": "{python} -m router serve --port {port} --config {config} --index {redis}",
                                    "instances": 2},
-               "no-such-router": "no-such-router-binary --port {port} {urls}"}
+               "no-such-router": "no-such-router-binary --port {port} {urls}", "pinned": {"pinned": True}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(routers))
     out = tmp_path / "out"
@@ -29,7 +29,8 @@ def test_a_small_mixed_cluster_benchmark_writes_its_tables_and_skips_what_is_not
                        timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads((out / "results.json").read_text())
-    assert res["saturation_rps"] > 0 and [r["router"] for r in res["results"]] == ["kvroute", "kvroute-redis-2"]
+    assert res["saturation_rps"] > 0
+    assert [r["router"] for r in res["results"]] == ["kvroute", "kvroute-redis-2", "pinned"]
     for r in res["results"]:
         assert [row["load_fraction"] for row in r["rows"]] == [0.7, 1.0]
         assert all(row["errors"] == 0 and row["requests"] == 12 and sum(row["share"].values()) == 12
@@ -37,6 +38,9 @@ def test_a_small_mixed_cluster_benchmark_writes_its_tables_and_skips_what_is_not
     assert "no-such-router" in res["skipped"] and "not installed" in res["skipped"]["no-such-router"]
     text = (out / "results.md").read_text()
     assert "1 x `aurora-pvc-tp1`" in text and "| kvroute-redis-2 | 70% |" in text and "Targets:" in text
+    # the reference ran without a router (3 groups straight to 3 replicas) and is not counted as another router
+    assert "| pinned | 70% |" in text and "Reference, pinned" in text and "best other router" not in text
+    assert all(sorted(row["share"].values()) == [4, 4, 4] for row in res["results"][2]["rows"])
     # kvroute was told each replica's platform and tensor-parallel size
     replicas = yaml.safe_load((out / "logs" / "kvroute-kvroute.yaml").read_text())["replicas"]
     assert [(r["platform"], r["tensor_parallel_size"]) for r in replicas] == [("aurora-pvc", 1), ("aurora-pvc", 2),

@@ -64,3 +64,14 @@ def test_the_tiny_model_vocabulary_makes_one_token_per_word(tmp_path):
     tok = LocalTokenizer(write_tokenizer(tmp_path / "tiny"))
     text = load.words(load.random.Random(3), 300, load.VOCABULARIES["tiny-model"])
     assert len(tok.encode(text)) in (300, 301)  # and the beginning-of-sequence token, if the tokenizer adds it
+
+
+def test_pinned_sends_each_group_to_the_target_its_number_names(cluster):
+    sims = [cluster.sim("--engine", "--block-size", "16", "--step-base-ms", "1") for _ in range(2)]
+    urls = ",".join(s.url for s in sims)
+    args = load.parser().parse_args(["--target", urls, "--replicas", urls, "--pin", "--rates", "50",
+                                     "--groups", "3", "--prompts-per-group", "5", "--system-tokens", "32",
+                                     "--question-tokens", "4", "--output-tokens", "2"])
+    row = load.asyncio.run(load.run(args))["rows"][0]
+    # groups 0 and 2 on the first replica, group 1 on the second; in turn it would be 8 and 7
+    assert row["errors"] == 0 and list(row["share"].values()) == [10, 5]
