@@ -299,7 +299,9 @@ def openai_streams_through_a_kill(rt: Proc, victim: Proc, clients: int, max_toke
         victim.kill()
         killed = time.monotonic()
         wait_until(lambda: not replicas_view(rt)[victim.url]["ready"], timeout=10)
-        time.sleep(3.0)
+        # and until a stream sent well after the kill has finished: the streams the victim's death moved to the
+        # other replica make it slow, and a fixed wait could end before any new stream was sent and answered
+        wait_until(lambda: any(sent > killed + 0.5 for sent, *_ in list(results)), timeout=90)
     finally:  # the clients stop whatever happened
         stop.set()
         for t in threads:

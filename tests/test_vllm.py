@@ -236,7 +236,8 @@ TOKENS = 512
 def test_streams_on_a_killed_replica_complete_on_the_other_with_every_token(gateway, replicas):
     """Two replicas, 16 clients streaming through the openai client; one replica is killed. Every stream,
     started or not, completes without an error and with the requested number of tokens. The streams are long
-    (128 tokens), so that some are still being generated when the replica dies."""
+    (512 tokens), so that some are still being generated when the replica dies; streams sent after the kill go
+    to the other replica."""
     victim = replicas[0]
     results, killed = openai_streams_through_a_kill(gateway, victim, clients=16, max_tokens=TOKENS)
     victim_name = f"127.0.0.1:{victim.port}"
