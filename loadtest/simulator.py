@@ -732,6 +732,11 @@ def _invalid_fields(req: dict[str, Any]) -> tuple[str, str] | None:
         if not (isinstance(v, str) and v.strip().lower() in _TRUE + _FALSE):
             return name, (f"1 validation error:\n  {{'type': 'bool_parsing', 'loc': ('body', '{name}'), 'msg': "
                           f"'Input should be a valid boolean, unable to interpret input', 'input': {v!r:.40}}}")
+    v = req.get("stream_options")
+    if v is not None and not isinstance(v, dict):  # vLLM's StreamOptions model
+        return "stream_options", (f"1 validation error:\n  {{'type': 'model_attributes_type', 'loc': ('body', "
+                                  f"'stream_options'), 'msg': 'Input should be a valid dictionary or object to "
+                                  f"extract fields from', 'input': {v!r:.40}}}")
     return None
 
 

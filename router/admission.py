@@ -14,7 +14,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
 
 from . import errors
 from .config import QueueConfig
@@ -28,6 +28,12 @@ from .view import ReplicaView
 _POLL_S = 0.005  # with several workers: how often waiters look for slots freed by the others
 
 
+class Admitted(NamedTuple):
+    view: ReplicaView
+    score: float
+    waited_s: float  # seconds in the queue (0 when a slot was free at once)
+
+
 @dataclass
 class _Waiter:
     req: RouteRequest
@@ -35,7 +41,7 @@ class _Waiter:
 
 
 class Admission:
-    def __init__(self, policy: Policy, load: LoadTable, views: Callable[[], list[ReplicaView]],
+    def __init__(self, policy: Policy, load: LoadTable, views: Callable[[Sequence[str] | None], list[ReplicaView]],
                  view_of: Callable[[str], ReplicaView | None], queue: QueueConfig, metrics: Metrics,
                  events: EventBus) -> None:
         self.policy = policy
@@ -54,7 +60,7 @@ class Admission:
     def queue_length(self) -> int:
         return len(self._waiters)
 
-    async def admit(self, req: RouteRequest) -> Scored:
+    async def admit(self, req: RouteRequest) -> Admitted:
         """Choose a replica and take one of its slots, waiting in the queue if all are full.
 
         Raises :class:`NoCandidate` when no replica could ever serve the request now, and a
@@ -63,15 +69,17 @@ class Admission:
         if not self._waiters:
             chosen = self._choose_and_take(req)
             if chosen is not None:
-                return chosen
+                return Admitted(chosen[0], chosen[1], 0.0)
         else:
             # others are already waiting: only join them if some replica could ever serve this
             try:
-                self.policy.candidates(req, self.views())
+                self.policy.candidates(req, self.views(None))
             except NoCandidate as e:
                 if e.why != "at_capacity":
                     raise
-        return await self._wait(req)
+        started = time.perf_counter()
+        view, score = await self._wait(req)
+        return Admitted(view, score, time.perf_counter() - started)
 
     def release(self, name: str) -> None:
         """Give a slot back; the oldest waiter this replica can serve takes it over."""
@@ -86,12 +94,17 @@ class Admission:
 
     def _choose_and_take(self, req: RouteRequest) -> Scored | None:
         """The policy's pick with its slot taken, or None if every candidate is full."""
-        views = self.views()
+        few = req.candidates is not None  # the few replicas a decision on a large fleet weighs
+        views = self.views(req.candidates)
         raced = False
         while True:
             try:
                 view, score = self.policy.choose(req, views)
             except NoCandidate as e:
+                if few:  # none of the few can take it: weigh them all
+                    few, raced = False, False
+                    views = self.views(None)
+                    continue
                 if e.why != "at_capacity" and not raced:
                     raise
                 return None  # all full (or the one that was not is full now): wait for a slot
@@ -128,7 +141,7 @@ class Admission:
     async def _poll(self) -> None:
         while self._waiters:
             await asyncio.sleep(_POLL_S)
-            for view in self.views():
+            for view in self.views(None):
                 if self._waiters:
                     self._hand_off(view.name)
         self._poller = None

@@ -27,6 +27,7 @@ from starlette.routing import Route
 from . import __version__, errors
 from .admission import Admission
 from .auth import Auth
+from .candidates import Candidates
 from .config import RouterConfig
 from .conversations import Conversations
 from .errors import GatewayError
@@ -37,6 +38,7 @@ from .index.fallback import FallbackIndex
 from .index.memory import MemoryIndex
 from .index.precise import PreciseIndex
 from .index.resp import Redis
+from .shared_load import SharedLoad, new_host_id
 from .kv_events.feed import EventFeed
 from .kv_events.lease import Lease
 from .keys import PromptKeys
@@ -73,8 +75,14 @@ class Gateway:
         # several workers share load (router.workers.check vetted the set-up)
         self.load = LoadTable([r.name for r in config.replicas], self.metrics, share, worker,
                               capacity=config.membership.max_replicas)
+        # with a Redis index, the routers on it share one load picture (router.shared_load)
+        self.shared_load: SharedLoad | None = None
+        if config.index.backend != "memory" and config.shared_load.enabled:
+            self.shared_load = SharedLoad(
+                Redis(config.index.backend, connect_timeout=config.index.background_timeout_s), config.index.namespace,
+                self.load, config.shared_load, share.host_id if share is not None else new_host_id(), worker)
         self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.load, self.events,
-                                default_blocks=config.index.default_blocks)
+                                default_blocks=config.index.default_blocks, shared=self.shared_load)
         index: PreciseIndex | None = None
         keys: PromptKeys | None = None
         self.feed: EventFeed | None = None
@@ -89,8 +97,7 @@ class Gateway:
                 if config.index.backend != "memory":  # one consumer per replica for every router on this Redis
                     lease = Lease(Redis(config.index.backend, connect_timeout=config.index.background_timeout_s),
                                   config.index.namespace, config.kv_events.lease_s)
-                self.feed = EventFeed(self.pool, index, keys, config.kv_events, self.metrics, self.events, lease,
-                                      discover_timeout_s=config.health.timeout_s)
+                self.feed = EventFeed(self.pool, index, keys, config.kv_events, self.metrics, self.events, lease)
         self.admission = Admission(self.policy, self.load, self.pool.views, self.pool.view_of, config.queue,
                                    self.metrics, self.events)
         self.router = Router(self.pool, self.load, self.policy, self.admission,
@@ -98,7 +105,8 @@ class Gateway:
                              self.metrics, self.events,
                              index=index, keys=keys,
                              conversations=Conversations(config.conversations.window_s,
-                                                         config.conversations.max_tracked) if keys else None)
+                                                         config.conversations.max_tracked) if keys else None,
+                             candidates=Candidates(self.pool, config.candidates, index) if index else None)
         self.forwarder = Forwarder(self.router, self.pool, config.proxy, self.metrics, config.client.send_timeout_s)
         self.membership = Membership(config, self.pool)
         self.auth = Auth(config.auth)
@@ -279,6 +287,8 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gw.pool.start()
+        if gw.shared_load is not None:
+            await gw.shared_load.start()
         await gw.router.start()
         if gw.feed is not None:
             await gw.feed.start()
@@ -294,6 +304,8 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
             if gw.feed is not None:
                 await gw.feed.close()
             await gw.router.close()
+            if gw.shared_load is not None:
+                await gw.shared_load.close()
             await gw.pool.stop()
 
     app = FastAPI(title="kvroute", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -391,7 +403,9 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
         await gw.router.prepare(route)
         return JSONResponse({"model": route.model, "prompt_tokens": route.prompt_tokens,
                              "index_fallback": route.index_fallback, "session_replica": route.session_replica,
-                             **gw.policy.explain(route, gw.admission.views())})
+                             # on a large fleet, the few replicas its decision weighs (see router.candidates)
+                             "weighed": "all" if route.candidates is None else len(route.candidates),
+                             **gw.policy.explain(route, gw.admission.views(route.candidates))})
 
     @app.post("/admin/replicas")
     async def admin_register(request: Request) -> Response:

@@ -138,6 +138,11 @@ class HealthConfig(_Model):
     fail_threshold: int = Field(2, ge=1, description="consecutive failed checks that make a ready replica unready")
     rise_threshold: int = Field(2, ge=1, description="consecutive good checks that bring an ejected replica back")
     metrics_interval_s: float = Field(1.0, gt=0, description="seconds between scrapes of a replica's /metrics")
+    max_requests_per_s: float = Field(200.0, gt=0, description="health-check and /metrics requests this router sends "
+                                      "per second over the whole fleet, at most: a fleet that would need more at "
+                                      "interval_s and metrics_interval_s (3 per replica per second at the defaults) "
+                                      "is checked less often, every replica alike (1,024 replicas: every 11 s; "
+                                      "past the budget /v1/models is read with every 5th check only)")
     eject_after: int = Field(5, ge=1, description="requests in a row that fail on a replica (no answer, 5xx, a broken "
                              "or silent stream) take it out of rotation, however its /health answers")
     eject_s: float = Field(30.0, gt=0, description="how long such a replica stays out; doubled each time it is taken "
@@ -212,6 +217,31 @@ class KvEventsConfig(_Model):
     replay_timeout_s: float = Field(2.0, gt=0, description="longest wait for each answer of a replay request")
     lease_s: float = Field(5.0, gt=0, description="with a Redis index, one router consumes each replica's events "
                            "under a lease this long, renewed at a third of it; another takes over within two")
+
+
+class SharedLoadConfig(_Model):
+    enabled: bool = Field(True, description="with a Redis index: every router publishes its requests in flight and "
+                          "pending prefill per replica there, and weighs the other routers' as its own (see Large "
+                          "fleets); false: the others' load is seen only through the replicas' /metrics")
+    interval_s: float = Field(0.1, gt=0, le=10, description="seconds between a router's publications (and reads "
+                              "of the others' figures): how stale the picture of the other routers' load may be")
+    ttl_s: float = Field(3.0, gt=0, le=600, description="a router's figures expire this long after its last "
+                         "publication: a router that stops leaves no phantom load for longer")
+
+
+class CandidatesConfig(_Model):
+    """Which replicas a cache-aware decision weighs (see :mod:`router.candidates`)."""
+
+    scan_up_to: int = Field(32, ge=1, description="a model served by at most this many ready replicas is decided "
+                            "among all of them; on a larger fleet among those that hold the prompt's prefix, the "
+                            "least loaded and a few drawn at random, so a decision costs the same on any fleet")
+    holders: int = Field(16, ge=0, description="on a large fleet: replicas weighed that hold the prompt's prefix, "
+                         "those of the longest first")
+    least_loaded: int = Field(8, ge=0, description="on a large fleet: replicas weighed that have the least load "
+                              "for their capacity (a ranking at most ranking_s old)")
+    sampled: int = Field(4, ge=0, description="on a large fleet: replicas weighed that are drawn at random")
+    ranking_s: float = Field(0.05, gt=0, le=10, description="seconds a ranking of the replicas by load is used "
+                             "before it is made again (each decision still reads the live load of those it weighs)")
 
 
 class CacheAwareConfig(_Model):
@@ -304,8 +334,10 @@ class ClientConfig(_Model):
 
 
 class MembershipConfig(_Model):
-    max_replicas: int = Field(256, ge=1, le=4096, description="replicas this router holds at once, configured and "
-                              "added at run time (POST /admin/replicas, replicas_file, other routers through Redis)")
+    max_replicas: int = Field(16384, ge=1, le=65536, description="replicas this router holds at once, configured "
+                              "and added at run time (POST /admin/replicas, replicas_file, other routers through "
+                              "Redis): a bound against runaway registrations, not a size to plan (tables that "
+                              "workers share are sized for it; their memory is used only as replicas join)")
     sync_interval_s: float = Field(2.0, gt=0, description="seconds between reads of replicas_file and, with a Redis "
                                    "index, of the replicas registered through any router")
     drain_timeout_s: float = Field(600.0, ge=0, description="a replica being removed takes no new requests and is "
@@ -334,6 +366,8 @@ class RouterConfig(_Model):
     prefix: PrefixConfig = Field(default_factory=PrefixConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)
+    candidates: CandidatesConfig = Field(default_factory=CandidatesConfig)
+    shared_load: SharedLoadConfig = Field(default_factory=SharedLoadConfig)
     conversations: ConversationsConfig = Field(default_factory=ConversationsConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import multiprocessing
+import secrets
 from typing import Any, Sequence
 
 from .metrics import Metrics
@@ -59,6 +60,7 @@ class HostShare:
         self.session_slots = session_slots
         self.sessions = mmap.mmap(-1, max(1, session_slots) * SESSION_SLOT_BYTES)
         self.lock = multiprocessing.get_context("fork").Lock()
+        self.host_id = secrets.token_hex(6)  # the workers' common id among router hosts (router.shared_load)
 
 
 class LoadTable:
@@ -88,6 +90,7 @@ class LoadTable:
         self._rows: dict[str, tuple[int, ...]] = {}
         self._drained: dict[str, int] = {}
         self._m_inflight: dict[str, Any] = {}
+        self._touched: set[str] = set()  # replicas whose figures in this worker's row changed (shared load)
         for n in names:
             self.add(n)
 
@@ -115,6 +118,7 @@ class LoadTable:
         idle = self.inflight(name) == 0
         self.names.remove(name)
         del self._by_column[col], self._own[name], self._rows[name], self._drained[name], self._m_inflight[name]
+        self._touched.add(name)
         if idle:
             self._locked(lambda: self._free(col))
 
@@ -133,16 +137,20 @@ class LoadTable:
             return fn()
 
     def _claim(self, digest: bytes) -> int:
+        def find(cols: Any, what: bytes) -> int:
+            """The first column holding ``what`` (a search in C: a table of thousands of columns stays cheap)."""
+            pos = cols.find(what)
+            while pos != -1 and pos % _DIGEST:
+                pos = cols.find(what, pos + 1)
+            return -1 if pos == -1 else pos // _DIGEST
+
         def claim() -> int:
             cols = self._columns
-            free = None
-            for col in range(self.capacity):
-                held = bytes(cols[col * _DIGEST:(col + 1) * _DIGEST])
-                if held == digest:
-                    return col
-                if held == _FREE and free is None:
-                    free = col
-            if free is None:
+            held = find(cols, digest)
+            if held != -1:
+                return held
+            free = find(cols, _FREE)
+            if free == -1:
                 raise TableFull(f"no room for another replica: the load table holds {self.capacity} "
                                 f"(membership.max_replicas)")
             self._clear(free)
@@ -186,6 +194,7 @@ class LoadTable:
             finally:
                 self._lock.release()
         self._m_inflight[name].inc()
+        self._touched.add(name)
         return True
 
     def release(self, name: str) -> None:
@@ -194,6 +203,7 @@ class LoadTable:
             return
         self._cells[i] -= 1
         self._m_inflight[name].dec()
+        self._touched.add(name)
 
     # -- pending prefill ---------------------------------------------------------------------
 
@@ -201,8 +211,22 @@ class LoadTable:
         i = self._own.get(name)
         if i is not None:
             self._cells[i + _PENDING] += tokens
+            self._touched.add(name)
 
     # -- reads -------------------------------------------------------------------------------
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._column
+
+    def own_figures(self, name: str) -> tuple[int, int]:
+        """(in-flight requests, pending prefill tokens) of ``name`` in this worker's row alone."""
+        i = self._own[name]
+        return self._cells[i], self._cells[i + _PENDING]
+
+    def take_touched(self) -> set[str]:
+        """The replicas whose figures in this worker's row changed since the last call."""
+        touched, self._touched = self._touched, set()
+        return touched
 
     def inflight(self, name: str) -> int:
         c = self._cells

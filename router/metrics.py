@@ -97,6 +97,10 @@ class Metrics:
         self.index_lookup = Histogram(
             "kvroute_index_lookup_seconds", "Prefix index lookup time per request.",
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1), registry=r)
+        self.decision = Histogram(
+            "kvroute_decision_seconds", "Time to decide where a request goes, per request: its prompt key, the index "
+            "lookup, the candidates and their scores (a wait in the queue not included).",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25), registry=r)
         self.index_blocks = Gauge(
             "kvroute_index_blocks", "Blocks the prefix index holds for each replica (this router's view).",
             ["replica"], registry=r, multiprocess_mode="livemax")

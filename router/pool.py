@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator, Literal, Sequence
 
 from .config import HealthConfig, IndexConfig, PLATFORMS, ProxyConfig, ReplicaConfig
 from .events import (EventBus, ReplicaAdded, ReplicaModels, ReplicaReady, ReplicaRemoved, ReplicaRestarted,
@@ -28,13 +29,17 @@ from .load import LoadTable
 from .metrics import Metrics
 from .prefill import PrefillEstimate
 from .replica_metrics import ReplicaStats, parse_metrics
+from .shared_load import SharedLoad
 from .upstream import ConnectFailed, UpstreamError, UpstreamPool
-from .view import ReplicaView, with_load
+from .view import ReplicaView, with_load, with_others
 
 log = logging.getLogger("kvroute.pool")
 
 _DEFAULT_BLOCKS = IndexConfig().default_blocks
 _CONTROL_HEADERS = b"user-agent: kvroute-health\r\naccept-encoding: identity\r\n"
+_SHARE_EVERY_S = 1.0  # replicas alike share their prefill figures at most this often (see _share_prefill)...
+_SHARE_AT_ONCE_UP_TO = 64  # ...on a fleet larger than this; a smaller one shares each sample at once
+_MODELS_EVERY = 5  # on a fleet past the control budget, /v1/models is read with one health check in this many
 _CONTROL_MAX_BYTES = 32 << 20  # a /metrics page larger than this is not a replica's
 
 
@@ -66,6 +71,7 @@ class Replica:
         # sizes and models), this one included: what routing uses once learned
         self.alike: tuple[float | None, float | None] = (None, None)
         self.prefill_base: ReplicaStats | None = None  # the scrape the next prefill-rate sample counts from
+        self.checks = 0  # health checks answered by /health with 200
         self.fails = 0
         self.successes = 0
         self.last_error: str | None = None
@@ -198,8 +204,10 @@ class ReplicaPool:
         load: LoadTable,
         events: EventBus | None = None,
         default_blocks: int = _DEFAULT_BLOCKS,
+        shared: SharedLoad | None = None,
     ) -> None:
         self.health = health
+        self.shared = shared  # the other routers' load on each replica, with a Redis index
         self.load = load
         self.metrics = metrics
         self.events = events or EventBus()
@@ -212,6 +220,8 @@ class ReplicaPool:
         self._started = False
         self._checked: set[str] = set()  # replicas whose first health check is done
         self._first_round = asyncio.Event()
+        self._shared_at: dict[Kind, float] = {}  # kind of replica -> when its prefill figures were last shared
+        self._unshared: set[Kind] = set()  # kinds with a sample not shared yet
 
     def _make(self, cfg: ReplicaConfig) -> Replica:
         upstream = UpstreamPool(cfg.url, self.proxy.connect_timeout_s, self.proxy.upstream_idle_s)
@@ -222,8 +232,7 @@ class ReplicaPool:
         return Replica(cfg, upstream, self.metrics, self.default_blocks, control)
 
     def _spawn(self, r: Replica) -> None:
-        self._tasks[r.name] = [asyncio.create_task(self._health_loop(r), name=f"health:{r.name}"),
-                               asyncio.create_task(self._metrics_loop(r), name=f"metrics:{r.name}")]
+        self._tasks[r.name] = [asyncio.create_task(self._control_loop(r), name=f"checks:{r.name}")]
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -291,19 +300,39 @@ class ReplicaPool:
     def get(self, name: str) -> Replica | None:
         return self.replicas.get(name)
 
-    def views(self) -> list[ReplicaView]:
-        """Every replica as routing sees it now: its state with this host's load (a fresh, immutable list)."""
+    def views(self, names: Sequence[str] | None = None) -> list[ReplicaView]:
+        """Every replica (or those of ``names`` still in the pool) as routing sees it now: its state with this
+        host's load (a fresh, immutable list)."""
         figures = self.load.figures
-        return [with_load(r.view, *figures(r.name)) for r in self.replicas.values()]
+        replicas = self.replicas.values() if names is None else [
+            r for r in map(self.replicas.get, names) if r is not None]
+        if self.shared is None:
+            return [with_load(r.view, *figures(r.name)) for r in replicas]
+        others = self.shared.others
+        out = []
+        for r in replicas:
+            v = with_load(r.view, *figures(r.name))
+            o = others(r.name)
+            out.append(v if o == (0, 0) else with_others(v, *o))
+        return out
 
     def view_of(self, name: str) -> ReplicaView | None:
         r = self.replicas.get(name)
-        return None if r is None else with_load(r.view, *self.load.figures(name))
+        if r is None:
+            return None
+        v = with_load(r.view, *self.load.figures(name))
+        if self.shared is not None:
+            o = self.shared.others(name)
+            if o != (0, 0):
+                v = with_others(v, *o)
+        return v
 
     def describe(self, r: Replica) -> dict[str, Any]:
         out = r.describe()
         out.update(self.load.describe(r.name))
-        out["load"] = out["inflight"] + r.external_load
+        others = self.shared.others(r.name) if self.shared is not None else (0, 0)
+        out["other_routers_inflight"], out["other_routers_pending_prefill_tokens"] = others
+        out["load"] = out["inflight"] + others[0] + r.external_load
         return out
 
     def model_label(self, model: str | None) -> str:
@@ -405,9 +434,10 @@ class ReplicaPool:
 
     # -- background checks -----------------------------------------------------------------
 
-    async def _get(self, r: Replica, path: str) -> tuple[int, bytes]:
-        """GET ``path`` on the replica's control connection: status and body, all within the health-check
-        timeout. Raises :class:`~router.upstream.UpstreamError` or ``TimeoutError``."""
+    async def fetch(self, r: Replica, path: str) -> tuple[int, bytes]:
+        """GET ``path`` on the replica's control connection (the one its health checks and scrapes use): status
+        and body, all within the health-check timeout. Raises :class:`~router.upstream.UpstreamError` or
+        ``TimeoutError``."""
         assert r.control is not None
         timeout = self.health.timeout_s
         async with asyncio.timeout(timeout):
@@ -421,17 +451,19 @@ class ReplicaPool:
         return resp.status, body
 
     async def check(self, r: Replica) -> None:
-        """One health check: /health, then /v1/models."""
+        """One health check: /health, then /v1/models (on a large fleet not every time: see :meth:`_models_due`)."""
         try:
-            status, _ = await self._get(r, "/health")
+            status, _ = await self.fetch(r, "/health")
             if status != 200:
                 self.mark_failure(r, f"/health answered {status}")
                 return
-            status, body = await self._get(r, "/v1/models")
-            if status != 200:
-                self.mark_failure(r, f"/v1/models answered {status}")
-                return
-            self._set_models(r, json.loads(body))
+            r.checks += 1
+            if self._models_due(r):
+                status, body = await self.fetch(r, "/v1/models")
+                if status != 200:
+                    self.mark_failure(r, f"/v1/models answered {status}")
+                    return
+                self._set_models(r, json.loads(body))
         except ConnectFailed as e:
             self.mark_failure(r, f"connection failed: {e}", immediate=True)
             return
@@ -460,7 +492,7 @@ class ReplicaPool:
         """One scrape of /metrics: engine load, KV usage and size, restarts."""
         self.load.mark_peak(r.name)
         try:
-            status, body = await self._get(r, "/metrics")
+            status, body = await self.fetch(r, "/metrics")
         except (UpstreamError, TimeoutError):
             return  # health checks own the verdict on reachability
         if status != 200:
@@ -474,14 +506,16 @@ class ReplicaPool:
             self.metrics.replica_restarts.labels(r.name).inc()
             log.warning("replica %s restarted (its KV cache is empty)", r.name, extra={"replica": r.name})
             self.events.publish(ReplicaRestarted(r.name, prev.start_time, stats.start_time))
-        if self._learn_prefill_rate(r, stats, restarted):
+        if self._learn_prefill_rate(r, stats, restarted) or _kind(r) in self._unshared:
             self._share_prefill(r)
         r.stats = stats
         r.stats_at = time.time()
         # The engine's count includes this router's requests. Any of them may have started or ended
         # while the scrape was under way, so subtract the most this router had there meanwhile:
         # what is left is load from other clients (other router instances, direct traffic).
-        r.external_load = max(0.0, stats.running + stats.waiting - self.load.peak(r.name))
+        # With a shared load picture, the other routers' requests are counted apart (live), not as this.
+        others = self.shared.others(r.name)[0] if self.shared is not None else 0
+        r.external_load = max(0.0, stats.running + stats.waiting - self.load.peak(r.name) - others)
         r.view = r.make_view()
         self.metrics.replica_engine_load.labels(r.name).set(stats.running + stats.waiting)
         self.metrics.replica_kv_usage.labels(r.name).set(stats.kv_usage)
@@ -493,17 +527,29 @@ class ReplicaPool:
         what each happened to serve (a sample taken while prompts shared steps shows a slower replica).
         Taken one by one, a replica that looked faster drew every new prompt: on the evicting cluster
         benchmark costs of idle twins parted by up to 40%, on real vLLM CPU replicas by up to 60 times."""
-        def kind(x: Replica) -> tuple[str, int, int, frozenset[str]]:
-            return x.config.platform, x.config.tensor_parallel_size, x.config.pipeline_parallel_size, x.models
-
-        alike = [x for x in self.replicas.values() if kind(x) == kind(r)]
+        # on a large fleet, a pass over it per kind at most once a second (a sample can come from every scrape of
+        # every replica: on a thousand replicas, a pass for each was most of a router's background CPU); a
+        # sample in between is shared at the next scrape of one of them after that
+        k = _kind(r)
+        now = time.monotonic()
+        if (len(self.replicas) > _SHARE_AT_ONCE_UP_TO and r.alike[0] is not None
+                and now - self._shared_at.get(k, -1e9) < _SHARE_EVERY_S):
+            self._unshared.add(k)
+            return
+        self._unshared.discard(k)
+        self._shared_at[k] = now
+        if len(self._shared_at) > 4 * len(self.replicas) + 64:  # kinds of replicas long gone
+            self._shared_at = {k: now}
+            self._unshared &= {k}
+        alike = [x for x in self.replicas.values() if _kind(x) == k]
         rates = [x.prefill.rate for x in alike if x.prefill.rate is not None]
         steps = [x.prefill.marginal_s for x in alike if x.prefill.marginal_s is not None]
         shared = (sum(rates) / len(rates) if rates else None, sum(steps) / len(steps) if steps else None)
         for x in alike:
-            x.alike = shared
-            if x is not r:
-                x.view = x.make_view()
+            if x.alike != shared:
+                x.alike = shared
+                if x is not r:
+                    x.view = x.make_view()
 
     def _learn_prefill_rate(self, r: Replica, stats: ReplicaStats, restarted: bool) -> bool:
         """Feed the replica's prefill estimate with what its counters moved by since an earlier scrape:
@@ -542,32 +588,69 @@ class ReplicaPool:
             return True
         return cur.prefix_queries < prev.prefix_queries  # a counter only goes back when the process is new
 
-    def _pauses(self, interval: float) -> Iterator[float]:
-        """Seconds between one worker's checks: every worker checks at start, then they take turns."""
-        yield interval * self.load.workers + interval * self.load.worker
+    def spacing(self) -> float:
+        """How many times the configured intervals apart each replica is checked and scraped now: 1, or more
+        where the fleet would otherwise need more than ``health.max_requests_per_s`` control requests a second.
+        A health check is two requests (/health, /v1/models) while the fleet fits in that budget; beyond it,
+        /v1/models goes with every :data:`_MODELS_EVERY` th check only (see :meth:`_models_due`)."""
+        h = self.health
+        per_replica = (1.0 + 1.0 / _MODELS_EVERY) / h.interval_s + 1.0 / h.metrics_interval_s
+        return max(1.0, len(self.replicas) * per_replica / h.max_requests_per_s)
+
+    def _models_due(self, r: Replica) -> bool:
+        """Whether this check of ``r`` also reads /v1/models: always on a fleet within the budget at the
+        configured intervals, and for a replica not ready; else every :data:`_MODELS_EVERY` th check."""
+        h = self.health
+        full = len(self.replicas) * (2.0 / h.interval_s + 1.0 / h.metrics_interval_s)
+        return full <= h.max_requests_per_s or not r.ready or r.checks % _MODELS_EVERY == 0
+
+    def _pause(self, interval: float) -> float:
+        """Seconds between one worker's checks (or scrapes) of one replica: the workers take turns."""
+        return interval * self.load.workers * self.spacing()
+
+    async def _control_loop(self, r: Replica) -> None:
+        """Health checks and /metrics scrapes of one replica, one after the other on its control connection
+        (one kept-alive connection for both). Every worker checks at start; the next check and scrape come at a
+        random point within one pause (staggered by worker), so that a fleet checked at start is not checked in
+        one burst ever after, then every pause; each pause follows the fleet's size at the time."""
+        h = self.health
+        loop = asyncio.get_running_loop()
+        offset = lambda interval: random.uniform(0.0, self._pause(interval)) + interval * self.load.worker  # noqa: E731
+        now = loop.time()
+        next_check = next_scrape = now
+        scraped = False
         while True:
-            yield interval * self.load.workers
-
-    async def _health_loop(self, r: Replica) -> None:
-        for pause in self._pauses(self.health.interval_s):
-            try:
-                await self.check(r)
-            except Exception:  # keep checking whatever happens
-                log.exception("health check of %s crashed", r.name)
-            if r.name not in self._checked:
-                self._checked.add(r.name)
-                if len(self._checked) >= len(self.replicas):
-                    self._first_round.set()
-            await asyncio.sleep(pause)
-
-    async def _metrics_loop(self, r: Replica) -> None:
-        for pause in self._pauses(self.health.metrics_interval_s):
-            if r.state != "unready":
+            if now >= next_check:
                 try:
-                    await self.scrape(r)
-                except Exception:
-                    log.exception("metrics scrape of %s crashed", r.name)
-            await asyncio.sleep(pause)
+                    await self.check(r)
+                except Exception:  # keep checking whatever happens
+                    log.exception("health check of %s crashed", r.name)
+                if r.name not in self._checked:
+                    self._checked.add(r.name)
+                    if len(self._checked) >= len(self.replicas):
+                        self._first_round.set()
+                    next_check = now + offset(h.interval_s)
+                else:
+                    next_check = now + self._pause(h.interval_s)
+            if now >= next_scrape:
+                if r.state != "unready":
+                    try:
+                        await self.scrape(r)
+                    except Exception:
+                        log.exception("metrics scrape of %s crashed", r.name)
+                next_scrape = now + (self._pause(h.metrics_interval_s) if scraped else offset(h.metrics_interval_s))
+                scraped = True
+            now = loop.time()
+            await asyncio.sleep(max(0.0, min(next_check, next_scrape) - now))
+            now = loop.time()
+
+
+Kind = tuple[str, int, int, frozenset[str]]
+
+
+def _kind(x: Replica) -> Kind:
+    """Replicas of one kind prefill at one speed: the same platform, parallel sizes and models."""
+    return x.config.platform, x.config.tensor_parallel_size, x.config.pipeline_parallel_size, x.models
 
 
 def _close(r: Replica) -> None:

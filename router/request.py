@@ -37,6 +37,7 @@ class RouteRequest:
     returning: dict[str, float] = field(default_factory=dict)  # requests expected back at each replica
     continues: Continuation | None = None  # the answered prompt's tail it holds, if one waits
     session_replica: str | None = None
+    candidates: tuple[str, ...] | None = None  # the replicas its decision weighs (None: every replica)
 
     def uncached(self, replica: str) -> int:
         """Prompt tokens ``replica`` would have to prefill (as the prefix index predicts)."""

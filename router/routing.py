@@ -27,6 +27,7 @@ import time
 from . import errors
 from .admission import Admission
 from .background import Background
+from .candidates import Candidates
 from .conversations import Conversations
 from .errors import GatewayError
 from .events import Event, EventBus, ReplicaRemoved, ReplicaRestarted
@@ -107,7 +108,7 @@ class Router:
     def __init__(self, pool: ReplicaPool, load: LoadTable, policy: Policy, admission: Admission,
                  sessions: Sessions, metrics: Metrics, events: EventBus,
                  index: PrefixIndex | None = None, keys: PromptKeys | None = None,
-                 conversations: Conversations | None = None) -> None:
+                 conversations: Conversations | None = None, candidates: Candidates | None = None) -> None:
         self.pool = pool
         self.load = load
         self.policy = policy
@@ -117,7 +118,9 @@ class Router:
         self.index = index
         self.keys = keys
         self.conversations = conversations
+        self.candidates = candidates  # None: every decision weighs every replica
         self._m_lookup = metrics.index_lookup
+        self._m_decision = metrics.decision
         self._background = Background()
         events.subscribe(self._on_event)
 
@@ -129,12 +132,14 @@ class Router:
         Raises :class:`~router.errors.GatewayError`: 404 (no replica serves the model), 503 (none
         ready or all drained or all tried), 429 (queue full or waited too long).
         """
+        started = time.perf_counter()
         if not req.prepared:
             await self.prepare(req)
         try:
-            view, _ = await self.admission.admit(req)
+            view, _, waited_s = await self.admission.admit(req)
         except NoCandidate as e:
             raise self._unroutable(req, e) from None
+        self._m_decision.observe(time.perf_counter() - started - waited_s)
         replica = self.pool.get(view.name)
         assert replica is not None
         name = view.name
@@ -185,19 +190,30 @@ class Router:
             await self._lookup(req)
 
     async def _lookup(self, req: RouteRequest) -> None:
-        """Fill ``req.cached`` and ``req.occupancy`` for every replica that could serve the request."""
+        """Fill ``req.cached`` and ``req.occupancy`` for the replicas its decision weighs (see
+        :mod:`router.candidates`), and ``req.candidates`` when those are not all of them."""
         key = req.key
         index = self.index
         model = req.model
         assert key is not None and index is not None and model is not None
         tokens = key.prompt_tokens()
         req.prompt_tokens = sum(tokens)
-        by_block: dict[int, list[ReplicaView]] = {}
-        for r in self.pool:
-            v = r.view
-            if v.ready and model in v.models:
-                by_block.setdefault(v.block_size, []).append(v)
         started = time.perf_counter()
+        weighed: list[ReplicaView] | None = None
+        if self.candidates is not None and self.candidates.is_large(model):
+            blocks = self.candidates.block_sizes(model)
+            chains = [c for block in blocks for c in key.chains(block)]
+            if self.conversations is not None:
+                req.continues = self.conversations.find(chains)
+            also = (req.session_replica, req.continues.replica if req.continues else None)
+            weighed = await self.candidates.select(model, chains, also)
+            if weighed is not None:
+                req.candidates = tuple(v.name for v in weighed)
+        if weighed is None:
+            weighed = [r.view for r in self.pool if r.view.ready and model in r.view.models]
+        by_block: dict[int, list[ReplicaView]] = {}
+        for v in weighed:
+            by_block.setdefault(v.block_size, []).append(v)
         for block, group in by_block.items():
             names = [v.name for v in group]
             matched = dict.fromkeys(names, 0)
@@ -214,7 +230,8 @@ class Router:
             for v in group:
                 req.occupancy[v.name] = min(1.0, held[v.name] / v.kv_blocks)
         if self.conversations is not None:
-            req.continues = self.conversations.find(c for block in by_block for c in key.chains(block))
+            if req.candidates is None:
+                req.continues = self.conversations.find(c for block in by_block for c in key.chains(block))
             req.returning = self.conversations.expected(req.continues.replica if req.continues else None)
         self._m_lookup.observe(time.perf_counter() - started)
 

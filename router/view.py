@@ -38,3 +38,9 @@ class ReplicaView(NamedTuple):
 def with_load(base: ReplicaView, drained: bool, inflight: int, pending_prefill: int) -> ReplicaView:
     """``base`` with the load table's figures (cheaper than ``_replace`` on the hot path)."""
     return tuple.__new__(ReplicaView, base[:-3] + (drained, inflight, pending_prefill))
+
+
+def with_others(view: ReplicaView, inflight: int, pending_prefill: int) -> ReplicaView:
+    """``view`` with the other routers' requests in flight (as load from other clients) and pending prefill."""
+    return view._replace(external_load=view.external_load + inflight,
+                         pending_prefill=view.pending_prefill + pending_prefill)

@@ -75,6 +75,11 @@ class PrefixIndex(Protocol):
         """
         ...
 
+    async def holders(self, model: str, chain: Sequence[int], limit: int) -> list[str] | None:
+        """Up to ``limit`` replicas that hold a prefix of ``chain``, those of the longest prefix first, found
+        without asking every replica; None when this index cannot tell (every replica must be probed)."""
+        ...
+
     async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> Receipt | None:
         """``replica`` now holds the blocks of ``chain`` (most recently used first: the root)."""
         ...

@@ -96,6 +96,12 @@ class FallbackIndex:
             return Probe((await self.local.probe(model, chain, replicas, exact)).matches, degraded=True)
         return await self.local.probe(model, chain, replicas, exact)
 
+    async def holders(self, model: str, chain: Sequence[int], limit: int) -> list[str] | None:
+        # while Redis answers, the local index knows only this router's placements: every replica is probed
+        if self._usable():
+            return await self.shared.holders(model, chain, limit)
+        return await self.local.holders(model, chain, limit)
+
     async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> Receipt | None:
         local = await self.local.record(model, replica, chain, capacity)
         if local is None:

@@ -177,6 +177,9 @@ class PreciseIndex:
             return Probe(matches, found.degraded)
         return found
 
+    async def holders(self, model: str, chain: Sequence[int], limit: int) -> list[str] | None:
+        return await self.base.holders(model, chain, limit)
+
     async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> Receipt | None:
         if replica in self._exact:
             self._decisions[replica] = self._decisions.get(replica, 0) + 1

@@ -219,6 +219,9 @@ class RedisIndex:
         out = await self.client.evalsha(self._lookup, keys, [self._packed(chain), tiers, repr(time.time())])
         return Probe({r: Match(out[3 * i], out[3 * i + 1], out[3 * i + 2]) for i, r in enumerate(replicas)})
 
+    async def holders(self, model: str, chain: Sequence[int], limit: int) -> list[str] | None:
+        return None  # one sorted set per replica: who holds a block is only known by asking each
+
     async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> Receipt | None:
         if not chain:
             return None

@@ -24,7 +24,6 @@ import time
 from collections import deque
 from typing import Any
 
-import httpx
 import zmq
 import zmq.asyncio
 
@@ -36,6 +35,7 @@ from ..index.precise import Applied, PreciseIndex
 from ..keys import PromptKeys
 from ..metrics import Metrics
 from ..pool import Replica, ReplicaPool
+from ..upstream import UpstreamError
 from .decode import Batch
 from .lease import Lease
 from .sources import NoSource, discover
@@ -92,17 +92,15 @@ class ReplicaFeed:
 
 class EventFeed:
     def __init__(self, pool: ReplicaPool, index: PreciseIndex, keys: PromptKeys, cfg: KvEventsConfig,
-                 metrics: Metrics, events: EventBus, lease: Lease | None = None, discover_timeout_s: float = 2.0) -> None:
+                 metrics: Metrics, events: EventBus, lease: Lease | None = None) -> None:
         self.pool = pool
         self.index = index
         self.keys = keys
         self.cfg = cfg
         self.metrics = metrics
         self.lease = lease
-        self.discover_timeout_s = discover_timeout_s
         self._feeds = {r.name: ReplicaFeed(r) for r in pool}
         self._ctx: zmq.asyncio.Context | None = None
-        self._client: httpx.AsyncClient | None = None
         self._background = Background()
         events.subscribe(self._on_event)
 
@@ -110,7 +108,6 @@ class EventFeed:
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._client = httpx.AsyncClient(headers={"user-agent": "kvroute-events"})
         for f in self._feeds.values():
             if f.replica.ready:
                 self._ensure(f)
@@ -121,8 +118,6 @@ class EventFeed:
         await self._background.close()
         if self.lease is not None:
             await self.lease.close()
-        if self._client is not None:
-            await self._client.aclose()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
 
@@ -180,13 +175,14 @@ class EventFeed:
         r = f.replica
         while True:
             try:
-                assert self._client is not None
-                f.sources = await discover(self._client, r.config, r.upstream_headers, self.discover_timeout_s)
+                # on the replica's control connection: a shared HTTP client's pool, asked by a thousand
+                # replicas at once, spent seconds matching requests to connections
+                f.sources = await discover(lambda path: self.pool.fetch(r, path), r.config)
                 break
             except NoSource as e:
                 self._set_mode(f, "approximate", f"no KV-cache events: {e}")
                 return
-            except (httpx.HTTPError, ValueError) as e:
+            except (UpstreamError, TimeoutError, ValueError) as e:
                 self._set_mode(f, "approximate", f"cannot ask for its event sources ({e.__class__.__name__}); "
                                f"trying again every {_DISCOVER_RETRY_S:.0f} s")
                 await asyncio.sleep(_DISCOVER_RETRY_S)

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 import msgspec
 
-from ..index.resp import Redis
+from ..index.resp import LUA_HASH_CHANGES, Redis
 
 # Renew: only the holder extends the lease. KEYS[1] lease; ARGV[1] holder id, ARGV[2] lease ms.
 _RENEW = """
@@ -36,26 +36,10 @@ return 0
 
 # Save one applied batch: KEYS lease, seq, map; ARGV holder, rank, seq, count of entries n, then n
 # (field, value) pairs, then the fields to delete. Nothing is written by a router that lost the lease.
-_SAVE = """
+_SAVE = LUA_HASH_CHANGES + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-local n = tonumber(ARGV[4])
-local i = 5
-while n > 0 do
-  local upto = math.min(n, 500)
-  local batch = {}
-  for j = 1, upto do
-    batch[#batch + 1] = ARGV[i]; batch[#batch + 1] = ARGV[i + 1]; i = i + 2
-  end
-  redis.call('HSET', KEYS[3], unpack(batch))
-  n = n - upto
-end
-local gone = {}
-while i <= #ARGV do
-  gone[#gone + 1] = ARGV[i]; i = i + 1
-  if #gone >= 500 then redis.call('HDEL', KEYS[3], unpack(gone)); gone = {} end
-end
-if #gone > 0 then redis.call('HDEL', KEYS[3], unpack(gone)) end
+hash_changes(KEYS[3], tonumber(ARGV[4]), 5)
 return 1
 """
 

@@ -11,13 +11,13 @@ source is reported and left out.
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import Any
+from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
-import httpx
-
 from ..config import ReplicaConfig
+from ..upstream import UpstreamError
 from .subscriber import Endpoints
 
 log = logging.getLogger("kvroute.kv_events")
@@ -87,19 +87,20 @@ def _binds_any(endpoint: str) -> bool:
     return host in ("0.0.0.0", "[::]", "::")
 
 
-async def discover(client: httpx.AsyncClient, cfg: ReplicaConfig, headers: tuple[tuple[str, str], ...],
-                   timeout_s: float) -> list[Endpoints]:
-    """The replica's event sources (raises :class:`NoSource`, or httpx errors when it cannot be asked)."""
+async def discover(get: Callable[[str], Awaitable[tuple[int, bytes]]], cfg: ReplicaConfig) -> list[Endpoints]:
+    """The replica's event sources, asked with ``get`` (a GET on the replica: status and body). Raises
+    :class:`NoSource`, or what ``get`` raises when the replica cannot be asked."""
     if cfg.kv_events == "off":
         raise NoSource("replicas[].kv_events is off")
     if cfg.kv_events:
         return from_config(cfg)
-    r = await client.get(cfg.url + "/kv_event_sources", headers=dict(headers), timeout=timeout_s)
-    if r.status_code == 404:
+    status, body = await get("/kv_event_sources")
+    if status == 404:
         raise NoSource("it has no /kv_event_sources (vLLM before 0.32: set replicas[].kv_events)")
-    r.raise_for_status()
+    if status != 200:
+        raise UpstreamError(f"/kv_event_sources answered {status}")
     try:
-        answer = r.json()
+        answer = json.loads(body)
     except ValueError:
         raise NoSource("its /kv_event_sources is not JSON") from None
     return from_answer(answer, cfg.url)

@@ -1,0 +1,169 @@
+"""One load picture across router instances: the requests in flight and the prefill pending that the other
+routers on the same Redis have on each replica.
+
+Without it, each of N routers in front of one fleet sees its own requests at once and the others' only
+through the replicas' ``/metrics``, a scrape interval late (a second, or more on a large fleet): N routers
+that each see about 1/N of the load pile placements onto the same replicas. With a Redis index (and
+``shared_load.enabled``, the default) every router publishes its own figures every
+``shared_load.interval_s`` (100 ms) and reads the others' in the same round trip.
+
+Keys (one hash tag, so one slot in Redis Cluster): ``NS:{NS:load}:routers``, a sorted set of router ids
+scored by the time (ms) their figures expire, and ``NS:{NS:load}:r:ID``, a hash of replica name ->
+``"INFLIGHT PENDING"`` holding only the replicas where that router has something, expiring with it. A
+router that stops (killed, cut off from Redis) stops renewing: its figures leave every other router's
+picture within ``shared_load.ttl_s``, so nothing counts as phantom load for longer. Ids are
+``HOST.WORKER``: the workers of one host share their load in memory already and skip each other's here.
+
+The figures are advice, as the index is: when Redis does not answer, routing goes on with the figures
+last read for at most ``ttl_s``, then without them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from typing import Any
+
+from .background import Background
+from .config import SharedLoadConfig
+from .index.resp import LUA_HASH_CHANGES, Redis
+from .load import LoadTable
+
+log = logging.getLogger("kvroute.shared_load")
+
+# Publish this router's changed figures and read the others'. KEYS[1] the routers' sorted set, KEYS[2] this
+# router's hash. ARGV: now (ms), ttl (ms), own id, own host prefix ("HOST."), the others' hash key prefix,
+# n, then n (replica, "INFLIGHT PENDING") pairs to set, then the replicas to delete. Returns the other
+# hosts' (replica, figures) pairs, flat.
+_TICK = LUA_HASH_CHANGES + """
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local id, host, prefix = ARGV[3], ARGV[4], ARGV[5]
+hash_changes(KEYS[2], tonumber(ARGV[6]), 7)
+redis.call('PEXPIRE', KEYS[2], ttl)
+redis.call('ZADD', KEYS[1], now + ttl, id)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local out = {}
+for _, other in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if string.sub(other, 1, #host) ~= host then
+    local flat = redis.call('HGETALL', prefix .. other)
+    for k = 1, #flat do out[#out + 1] = flat[k] end
+  end
+end
+return out
+"""
+
+Figures = tuple[int, int]  # requests in flight, pending prefill tokens
+_NONE: Figures = (0, 0)
+
+
+def new_host_id() -> str:
+    """An id for one router host (its workers share it): random, so a restarted router is a new one."""
+    return secrets.token_hex(6)
+
+
+class SharedLoad:
+    """This router's share of the load picture: it publishes its figures and holds the others' sums."""
+
+    def __init__(self, redis: Redis, namespace: str, load: LoadTable, cfg: SharedLoadConfig, host_id: str,
+                 worker: int = 0) -> None:
+        self.redis = redis
+        self.load = load
+        self.cfg = cfg
+        self.host = host_id + "."
+        self.id = f"{host_id}.{worker}"
+        tag = "{" + namespace + ":load}"
+        self._routers = f"{namespace}:{tag}:routers"
+        self._prefix = f"{namespace}:{tag}:r:"
+        self._mine = self._prefix + self.id
+        self._script = redis.script(_TICK)
+        self._others: dict[str, Figures] = {}
+        self._others_at = 0.0  # monotonic time of the last good read
+        self._published: dict[str, Figures] = {}
+        self._resend = True  # after a failed tick (or at start): publish every figure, not just changes
+        self._down = False
+        self._background = Background()
+
+    def others(self, replica: str) -> Figures:
+        """The other routers' requests in flight and pending prefill tokens on ``replica``."""
+        return self._others.get(replica, _NONE)
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.id, "other_routers_seen": bool(self._others), "read_age_s":
+                round(time.monotonic() - self._others_at, 3) if self._others_at else None}
+
+    async def start(self) -> None:
+        self._background.spawn(self._loop())
+
+    async def close(self) -> None:
+        await self._background.close()
+        try:  # leave the picture at once rather than at expiry
+            async with asyncio.timeout(1.0):
+                await self.redis.execute("ZREM", self._routers, self.id)
+                await self.redis.execute("DEL", self._mine)
+        except Exception:
+            pass
+        await self.redis.close()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(max(1.0, self.cfg.interval_s * 5)):
+                    await self.tick()
+                if self._down:
+                    self._down = False
+                    log.info("shared load: Redis answers again; the other routers' load is read again")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._resend = True
+                if not self._down:
+                    self._down = True
+                    log.warning("shared load: Redis did not answer (%s); routing on the other routers' load as "
+                                "last read, for at most %g s", e.__class__.__name__, self.cfg.ttl_s)
+                if self._others and time.monotonic() - self._others_at > self.cfg.ttl_s:
+                    self._others = {}
+            await asyncio.sleep(self.cfg.interval_s)
+
+    async def tick(self) -> None:
+        """One round trip: this router's changed figures out, the others' in."""
+        load = self.load
+        if self._resend:
+            names = set(load.names) | set(self._published)
+        else:
+            names = load.take_touched()
+        sets: list[Any] = []
+        gone: list[str] = []
+        published = self._published
+        for name in names:
+            now = load.own_figures(name) if name in load else _NONE
+            if now == published.get(name, _NONE) and not self._resend:
+                continue
+            if now == _NONE:
+                gone.append(name)
+            else:
+                sets += [name, f"{now[0]} {now[1]}"]
+        ttl_ms = int(self.cfg.ttl_s * 1000)
+        flat = await self.redis.evalsha(self._script, [self._routers, self._mine],
+                                        [int(time.time() * 1000), ttl_ms, self.id, self.host, self._prefix,
+                                         len(sets) // 2, *sets, *gone])
+        for i in range(0, len(sets), 2):
+            inflight, pending = sets[i + 1].split()
+            published[sets[i]] = (int(inflight), int(pending))
+        for name in gone:
+            published.pop(name, None)
+        self._resend = False
+        others: dict[str, Figures] = {}
+        for i in range(0, len(flat) - 1, 2):
+            try:
+                name = flat[i].decode()
+                inflight, pending = (int(x) for x in flat[i + 1].split())
+            except (ValueError, UnicodeDecodeError):
+                continue  # not a router's entry: ignored
+            if name not in load:
+                continue  # a replica this router does not know: nothing to weigh it with
+            a, b = others.get(name, _NONE)
+            others[name] = (a + max(0, inflight), b + max(0, pending))
+        self._others = others
+        self._others_at = time.monotonic()

@@ -1,0 +1,135 @@
+"""Who holds a prefix, found without asking every replica: the in-process index's holders().
+
+The Redis index cannot tell (one sorted set per replica) and says so with None, so that every replica is
+probed there."""
+
+import asyncio
+
+from loadtest.cluster import redis_server, wait_redis
+from router.index import STORE, REMOVE, CLEAR
+from router.index.memory import MemoryIndex
+from router.index.redis import RedisIndex
+
+CHAIN = list(range(1000, 1032))  # 32 blocks
+
+
+def run(body):
+    async def main():
+        idx = MemoryIndex()
+        try:
+            return await body(idx)
+        finally:
+            await idx.close()
+    return asyncio.run(main())
+
+
+def test_nobody_holds_a_prefix_of_an_empty_index():
+    async def body(idx):
+        return await idx.holders("m", CHAIN, 8)
+    assert run(body) == []
+
+
+def test_the_holders_of_the_longest_prefix_come_first():
+    async def body(idx):
+        await idx.record("m", "short", CHAIN[:4], 1000)
+        await idx.record("m", "long", CHAIN[:20], 1000)
+        await idx.record("m", "other-prompt", [1, 2, 3], 1000)
+        return await idx.holders("m", CHAIN, 8)
+    assert run(body) == ["long", "short"]
+
+
+def test_at_most_limit_holders_are_named():
+    async def body(idx):
+        for i in range(50):
+            await idx.record("m", f"r{i}", CHAIN[:8], 1000)
+        return await idx.holders("m", CHAIN, 5)
+    got = run(body)
+    assert len(got) == 5 and len(set(got)) == 5
+
+
+def test_among_equal_holders_none_is_always_first():
+    async def body(idx):
+        for i in range(8):
+            await idx.record("m", f"r{i}", CHAIN[:8], 1000)
+        return {(await idx.holders("m", CHAIN, 1))[0] for _ in range(200)}
+    assert len(run(body)) == 8
+
+
+def test_models_are_apart():
+    async def body(idx):
+        await idx.record("a", "r1", CHAIN, 1000)
+        return await idx.holders("b", CHAIN, 8)
+    assert run(body) == []
+
+
+def test_a_replica_whose_blocks_were_evicted_no_longer_holds_them():
+    async def body(idx):
+        await idx.record("m", "r1", CHAIN[:8], 8)
+        await idx.record("m", "r1", [1, 2, 3, 4, 5, 6, 7, 8], 8)  # capacity 8: the first chain is pushed out
+        return await idx.holders("m", CHAIN, 8), await idx.holders("m", [1, 2, 3], 8)
+    assert run(body) == ([], ["r1"])
+
+
+def test_a_withdrawn_record_takes_its_replica_off_the_holders():
+    async def body(idx):
+        await idx.record("m", "r1", CHAIN[:4], 1000)
+        receipt = await idx.record("m", "r2", CHAIN[:4], 1000)
+        await idx.withdraw(receipt)
+        return await idx.holders("m", CHAIN, 8)
+    assert run(body) == ["r1"]
+
+
+def test_a_forgotten_replica_holds_nothing_and_its_bit_goes_to_the_next_replica():
+    async def body(idx):
+        await idx.record("m", "gone", CHAIN[:4], 1000)
+        await idx.forget("gone", ["m"])
+        before = await idx.holders("m", CHAIN, 8)
+        await idx.record("m", "new", CHAIN[:2], 1000)
+        return before, await idx.holders("m", CHAIN, 8)
+    assert run(body) == ([], ["new"])
+
+
+def test_replica_events_add_and_remove_holders():
+    async def body(idx):
+        await idx.apply("m", "exact", [(STORE, h, 1) for h in CHAIN[:6]])
+        stored = await idx.holders("m", CHAIN, 8)
+        await idx.apply("m", "exact", [(REMOVE, h, 1) for h in CHAIN[:6]])
+        removed = await idx.holders("m", CHAIN, 8)
+        await idx.apply("m", "exact", [(STORE, h, 1) for h in CHAIN[:6]] + [(CLEAR, 0, 0)])
+        return stored, removed, await idx.holders("m", CHAIN, 8)
+    assert run(body) == (["exact"], [], [])
+
+
+def test_a_block_held_in_both_tiers_stays_held_while_either_has_it():
+    async def body(idx):
+        await idx.record("m", "r1", CHAIN[:4], 1000)
+        await idx.apply("m", "r1", [(STORE, h, 1) for h in CHAIN[:4]] + [(CLEAR, 0, 0)])
+        return await idx.holders("m", CHAIN, 8)
+    assert run(body) == ["r1"]
+
+
+def test_provisional_entries_hold_until_withdrawn():
+    async def body(idx):
+        receipt = await idx.provisional("m", "r1", CHAIN[:4], 4e9)
+        held = await idx.holders("m", CHAIN, 8)
+        await idx.withdraw(receipt)
+        return held, await idx.holders("m", CHAIN, 8)
+    assert run(body) == (["r1"], [])
+
+
+def test_the_redis_index_cannot_name_holders(tmp_path):
+    proc = redis_server(log_dir=tmp_path).start()
+    try:
+        wait_redis(proc)
+
+        async def main():
+            idx = RedisIndex(f"redis://127.0.0.1:{proc.port}/0")
+            try:
+                await idx.start()
+                await idx.record("m", "r1", CHAIN[:4], 1000)
+                return await idx.holders("m", CHAIN, 8)
+            finally:
+                await idx.close()
+        assert asyncio.run(main()) is None
+    finally:
+        proc.stop()
