@@ -638,7 +638,12 @@ class ReplicaPool:
                         await self.scrape(r)
                     except Exception:
                         log.exception("metrics scrape of %s crashed", r.name)
-                next_scrape = now + (self._pause(h.metrics_interval_s) if scraped else offset(h.metrics_interval_s))
+                if h.metrics_interval_s == h.interval_s:
+                    # right after the check, on the connection it left open: a fleet checked less often than the
+                    # replicas keep idle connections (5 s in vLLM) opens one connection per round, not two
+                    next_scrape = next_check
+                else:
+                    next_scrape = now + (self._pause(h.metrics_interval_s) if scraped else offset(h.metrics_interval_s))
                 scraped = True
             now = loop.time()
             await asyncio.sleep(max(0.0, min(next_check, next_scrape) - now))

@@ -290,11 +290,10 @@ class UpstreamPool:
 
     async def _connect(self) -> _Connection:
         try:
-            _, conn = await asyncio.wait_for(
-                self.loop.create_connection(_Connection, self.host, self.port, ssl=self.ssl,
-                                            server_hostname=self.host if self.ssl else None),
-                self.connect_timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.connect_timeout):  # no task of its own, unlike wait_for
+                _, conn = await self.loop.create_connection(_Connection, self.host, self.port, ssl=self.ssl,
+                                                            server_hostname=self.host if self.ssl else None)
+        except TimeoutError:
             raise ConnectTimeout(f"connecting to {self.host}:{self.port} took over {self.connect_timeout:g} s") from None
         except OSError as e:
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {e.strerror or e}") from None

@@ -1,35 +1,65 @@
-"""Who holds a prefix, found without asking every replica: the in-process index's holders().
+"""Who holds a prefix, found without asking every replica: holders(), on both backends.
 
-The Redis index cannot tell (one sorted set per replica) and says so with None, so that every replica is
-probed there."""
+The in-process index knows every block's holders; the Redis index those of the blocks at positions 1, 2, 4,
+... of the chains routed through it, so blocks known only from a replica's events are named only in process.
+"""
 
 import asyncio
+import itertools
+
+import pytest
 
 from loadtest.cluster import redis_server, wait_redis
-from router.index import STORE, REMOVE, CLEAR
-from router.index.memory import MemoryIndex
-from router.index.redis import RedisIndex
+from router.index import CLEAR, REMOVE, STORE, build_index
 
 CHAIN = list(range(1000, 1032))  # 32 blocks
+_namespaces = itertools.count()
 
 
-def run(body):
-    async def main():
-        idx = MemoryIndex()
-        try:
-            return await body(idx)
-        finally:
-            await idx.close()
-    return asyncio.run(main())
+@pytest.fixture(scope="module")
+def redis_proc(tmp_path_factory):
+    p = redis_server(log_dir=tmp_path_factory.mktemp("redis")).start()
+    wait_redis(p)
+    yield p
+    p.stop()
 
 
-def test_nobody_holds_a_prefix_of_an_empty_index():
+@pytest.fixture(params=["memory", "redis"])
+def run(request):
+    spec = "memory" if request.param == "memory" else f"redis://127.0.0.1:{request.getfixturevalue('redis_proc').port}/0"
+
+    def runner(body):
+        async def main():
+            idx = build_index(spec, namespace=f"holders{next(_namespaces)}", timeout_s=1.0)
+            await idx.start()
+            try:
+                return await body(idx)
+            finally:
+                await idx.close()
+        return asyncio.run(main())
+    return runner
+
+
+@pytest.fixture
+def run_memory():
+    def runner(body):
+        async def main():
+            idx = build_index("memory")
+            try:
+                return await body(idx)
+            finally:
+                await idx.close()
+        return asyncio.run(main())
+    return runner
+
+
+def test_nobody_holds_a_prefix_of_an_empty_index(run):
     async def body(idx):
         return await idx.holders("m", CHAIN, 8)
     assert run(body) == []
 
 
-def test_the_holders_of_the_longest_prefix_come_first():
+def test_the_holders_of_the_longest_prefix_come_first(run):
     async def body(idx):
         await idx.record("m", "short", CHAIN[:4], 1000)
         await idx.record("m", "long", CHAIN[:20], 1000)
@@ -38,7 +68,7 @@ def test_the_holders_of_the_longest_prefix_come_first():
     assert run(body) == ["long", "short"]
 
 
-def test_at_most_limit_holders_are_named():
+def test_at_most_limit_holders_are_named(run):
     async def body(idx):
         for i in range(50):
             await idx.record("m", f"r{i}", CHAIN[:8], 1000)
@@ -47,7 +77,7 @@ def test_at_most_limit_holders_are_named():
     assert len(got) == 5 and len(set(got)) == 5
 
 
-def test_among_equal_holders_none_is_always_first():
+def test_among_equal_holders_none_is_always_first(run):
     async def body(idx):
         for i in range(8):
             await idx.record("m", f"r{i}", CHAIN[:8], 1000)
@@ -55,14 +85,14 @@ def test_among_equal_holders_none_is_always_first():
     assert len(run(body)) == 8
 
 
-def test_models_are_apart():
+def test_models_are_apart(run):
     async def body(idx):
         await idx.record("a", "r1", CHAIN, 1000)
         return await idx.holders("b", CHAIN, 8)
     assert run(body) == []
 
 
-def test_a_replica_whose_blocks_were_evicted_no_longer_holds_them():
+def test_a_replica_whose_blocks_were_evicted_no_longer_holds_them(run):
     async def body(idx):
         await idx.record("m", "r1", CHAIN[:8], 8)
         await idx.record("m", "r1", [1, 2, 3, 4, 5, 6, 7, 8], 8)  # capacity 8: the first chain is pushed out
@@ -70,7 +100,7 @@ def test_a_replica_whose_blocks_were_evicted_no_longer_holds_them():
     assert run(body) == ([], ["r1"])
 
 
-def test_a_withdrawn_record_takes_its_replica_off_the_holders():
+def test_a_withdrawn_record_takes_its_replica_off_the_holders(run):
     async def body(idx):
         await idx.record("m", "r1", CHAIN[:4], 1000)
         receipt = await idx.record("m", "r2", CHAIN[:4], 1000)
@@ -79,7 +109,7 @@ def test_a_withdrawn_record_takes_its_replica_off_the_holders():
     assert run(body) == ["r1"]
 
 
-def test_a_forgotten_replica_holds_nothing_and_its_bit_goes_to_the_next_replica():
+def test_a_forgotten_replica_holds_nothing_and_its_bit_goes_to_the_next_replica(run):
     async def body(idx):
         await idx.record("m", "gone", CHAIN[:4], 1000)
         await idx.forget("gone", ["m"])
@@ -89,7 +119,7 @@ def test_a_forgotten_replica_holds_nothing_and_its_bit_goes_to_the_next_replica(
     assert run(body) == ([], ["new"])
 
 
-def test_replica_events_add_and_remove_holders():
+def test_replica_events_add_and_remove_holders_in_process(run_memory):
     async def body(idx):
         await idx.apply("m", "exact", [(STORE, h, 1) for h in CHAIN[:6]])
         stored = await idx.holders("m", CHAIN, 8)
@@ -97,18 +127,18 @@ def test_replica_events_add_and_remove_holders():
         removed = await idx.holders("m", CHAIN, 8)
         await idx.apply("m", "exact", [(STORE, h, 1) for h in CHAIN[:6]] + [(CLEAR, 0, 0)])
         return stored, removed, await idx.holders("m", CHAIN, 8)
-    assert run(body) == (["exact"], [], [])
+    assert run_memory(body) == (["exact"], [], [])
 
 
-def test_a_block_held_in_both_tiers_stays_held_while_either_has_it():
+def test_a_block_held_in_both_tiers_stays_held_while_either_has_it(run_memory):
     async def body(idx):
         await idx.record("m", "r1", CHAIN[:4], 1000)
         await idx.apply("m", "r1", [(STORE, h, 1) for h in CHAIN[:4]] + [(CLEAR, 0, 0)])
         return await idx.holders("m", CHAIN, 8)
-    assert run(body) == ["r1"]
+    assert run_memory(body) == ["r1"]
 
 
-def test_provisional_entries_hold_until_withdrawn():
+def test_provisional_entries_hold_until_withdrawn(run):
     async def body(idx):
         receipt = await idx.provisional("m", "r1", CHAIN[:4], 4e9)
         held = await idx.holders("m", CHAIN, 8)
@@ -117,19 +147,19 @@ def test_provisional_entries_hold_until_withdrawn():
     assert run(body) == (["r1"], [])
 
 
-def test_the_redis_index_cannot_name_holders(tmp_path):
-    proc = redis_server(log_dir=tmp_path).start()
-    try:
-        wait_redis(proc)
+def test_a_replicas_events_that_remove_its_blocks_take_it_off_the_holders(run):
+    async def body(idx):
+        await idx.provisional("m", "exact", CHAIN[:6], 4e9)
+        await idx.apply("m", "exact", [(STORE, h, 1) for h in CHAIN[:6]])
+        held = await idx.holders("m", CHAIN, 8)
+        await idx.apply("m", "exact", [(REMOVE, h, 1) for h in CHAIN[:6]])
+        return held, await idx.holders("m", CHAIN, 8)
+    assert run(body) == (["exact"], [])
 
-        async def main():
-            idx = RedisIndex(f"redis://127.0.0.1:{proc.port}/0")
-            try:
-                await idx.start()
-                await idx.record("m", "r1", CHAIN[:4], 1000)
-                return await idx.holders("m", CHAIN, 8)
-            finally:
-                await idx.close()
-        assert asyncio.run(main()) is None
-    finally:
-        proc.stop()
+
+def test_clearing_a_replicas_cache_takes_it_off_the_holders(run):
+    async def body(idx):
+        await idx.provisional("m", "exact", CHAIN[:6], 4e9)
+        await idx.apply("m", "exact", [(STORE, h, 1) for h in CHAIN[:6]] + [(CLEAR, 0, 0)])
+        return await idx.holders("m", CHAIN, 8)
+    assert run(body) == []

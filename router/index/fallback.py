@@ -97,9 +97,15 @@ class FallbackIndex:
         return await self.local.probe(model, chain, replicas, exact)
 
     async def holders(self, model: str, chain: Sequence[int], limit: int) -> list[str] | None:
-        # while Redis answers, the local index knows only this router's placements: every replica is probed
-        if self._usable():
-            return await self.shared.holders(model, chain, limit)
+        # as a lookup: Redis while it answers in time, else the local index (this router's placements)
+        if chain and self._usable():
+            try:
+                async with asyncio.timeout(self.cfg.timeout_s):
+                    found = await self.shared.holders(model, chain, limit)
+                self._ok()
+                return found
+            except Exception as e:
+                self._failed("holders", e)
         return await self.local.holders(model, chain, limit)
 
     async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> Receipt | None:

@@ -16,6 +16,14 @@ The exact tier (replicas that publish KV-cache events) has its own sorted set pe
 replica), ``...:x:{replica}``, whose scores carry the meaning of :mod:`router.index`: 1-3 a medium
 mask, anything larger the expiry of a provisional entry. Its lookups walk the chain block by block
 (a replica's own evictions need not leave a prefix), and a batch of events is one script call.
+
+Who holds a prefix, without asking every replica (:meth:`RedisIndex.holders`): for the blocks at
+positions 1, 2, 4, 8, ... of each chain recorded (or held provisionally), a set of the replicas holding
+it, ``...:w:BLOCK``, kept by the same script calls that change the replicas' sets and expiring an hour
+after it was last added to. A lookup gallops over those positions to the deepest one held and names its
+holders, then those of ever shorter prefixes. Blocks known only from a replica's events (traffic that
+did not come through a router) are not named there; the caller's least loaded and sampled replicas
+cover them.
 """
 
 from __future__ import annotations
@@ -90,9 +98,28 @@ end
 return out
 """
 
+# Who holds which prefix: the replica (ARGV[who]) joins the sets of the chain's blocks at positions 1, 2, 4,
+# ... (ARGV[who - 1] is the sets' key prefix), and leaves the sets of blocks it no longer holds.
+_WHO = """
+local function who_holds(prefix, replica, chain, from)
+  local j = 1
+  while j <= #chain / 8 do
+    if j >= from then
+      local key = prefix .. string.sub(chain, 8 * j - 7, 8 * j)
+      redis.call('SADD', key, replica)
+      redis.call('EXPIRE', key, 3600)
+    end
+    j = j * 2
+  end
+end
+local function who_left(prefix, replica, members)
+  for _, member in ipairs(members) do redis.call('SREM', prefix .. member, replica) end
+end
+"""
+
 # Exact tier: provisional entries for the chain's blocks not held, expiring at ARGV[2]; the expired
 # ones go first. Returns the leading blocks held before, and how many entries it added.
-_PROVISIONAL = _MATCHED_EXACT + """
+_PROVISIONAL = _MATCHED_EXACT + _WHO + """
 local now, expires, chain = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 redis.call('ZREMRANGEBYSCORE', KEYS[1], 4, now)
 local kept = matched_exact(KEYS[1], chain, now)
@@ -105,13 +132,15 @@ for j = kept + 1, #chain / 8 do
     added = added + 1
   end
 end
+if added > 0 then who_holds(ARGV[4], ARGV[5], chain, kept + 1) end
 return {kept, added}
 """
 
 # Exact tier: a replica's events in order, 10 bytes each: op (1 store, 2 remove, 3 clear), medium bit,
 # the block's 8-byte key.
-_APPLY = """
+_APPLY = _WHO + """
 local ops, key = ARGV[1], KEYS[1]
+local prefix, replica = ARGV[2], ARGV[3]
 for i = 1, #ops, 10 do
   local op, b = string.byte(ops, i, i + 1)
   local member = string.sub(ops, i + 2, i + 9)
@@ -126,9 +155,15 @@ for i = 1, #ops, 10 do
       s = tonumber(s)
       local left = 0
       if s < 4 then left = bit.band(s, bit.bnot(b)) end
-      if left > 0 then redis.call('ZADD', key, left, member) else redis.call('ZREM', key, member) end
+      if left > 0 then
+        redis.call('ZADD', key, left, member)
+      else
+        redis.call('ZREM', key, member)
+        who_left(prefix, replica, {member})
+      end
     end
   elseif op == 3 then
+    who_left(prefix, replica, redis.call('ZRANGEBYSCORE', key, '-inf', '(4'))
     redis.call('ZREMRANGEBYSCORE', key, '-inf', '(4')
   end
 end
@@ -137,7 +172,7 @@ return #ops / 10
 
 # Stamps the chain's blocks (root newest) from the model's clock, trims to the capacity, and
 # returns the blocks held before and the stamp of the root, for a withdrawal.
-_RECORD = _MATCHED + """
+_RECORD = _MATCHED + _WHO + """
 local chain = ARGV[2]
 local n = #chain / 8
 local kept = matched(KEYS[1], chain)
@@ -152,14 +187,20 @@ for j = 1, n do
   end
 end
 if #batch > 0 then redis.call('ZADD', KEYS[1], unpack(batch)) end
+who_holds(ARGV[3], ARGV[4], chain, kept + 1)
 local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1])
-if over > 0 then redis.call('ZPOPMIN', KEYS[1], over) end
+if over > 0 then
+  local popped = redis.call('ZPOPMIN', KEYS[1], over)
+  local members = {}
+  for i = 1, #popped, 2 do members[#members + 1] = popped[i] end
+  who_left(ARGV[3], ARGV[4], members)
+end
 return {kept, top}
 """
 
 # Removes the blocks a record added (past the `kept` it returned) that still carry its stamps; for the
 # exact tier (ARGV[4] = "x") the stamp is the provisional entries' expiry, the same for every block.
-_WITHDRAW = """
+_WITHDRAW = _WHO + """
 local kept, top, chain = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local removed = 0
 for j = kept + 1, #chain / 8 do
@@ -169,10 +210,48 @@ for j = kept + 1, #chain / 8 do
   if ARGV[4] == "x" then stamp = top end
   if score and tonumber(score) == stamp then
     redis.call('ZREM', KEYS[1], member)
+    who_left(ARGV[5], ARGV[6], {member})
     removed = removed + 1
   end
 end
 return removed
+"""
+
+
+# Up to ARGV[3] replicas holding a prefix of the chain (ARGV[2]), from the sets at positions 1, 2, 4, ...
+# (ARGV[1] their key prefix): the deepest position held first, then ever shorter prefixes.
+_HOLDERS = """
+local prefix, chain, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local n = #chain / 8
+local function key(j) return prefix .. string.sub(chain, 8 * j - 7, 8 * j) end
+local deepest = 0
+local j = 1
+while j <= n and redis.call('EXISTS', key(j)) == 1 do
+  deepest = j
+  j = j * 2
+end
+local out, seen = {}, {}
+j = deepest
+while j >= 1 and #out < limit do
+  for _, r in ipairs(redis.call('SRANDMEMBER', key(j), limit)) do
+    if not seen[r] and #out < limit then
+      seen[r] = true
+      out[#out + 1] = r
+    end
+  end
+  j = math.floor(j / 2)
+end
+return out
+"""
+
+
+# Everything one replica holds of one model (KEYS: its two sets) goes, and it leaves the who-holds sets.
+_FORGET = _WHO + """
+for _, key in ipairs(KEYS) do
+  who_left(ARGV[1], ARGV[2], redis.call('ZRANGE', key, 0, -1))
+  redis.call('DEL', key)
+end
+return 1
 """
 
 
@@ -194,12 +273,18 @@ class RedisIndex:
         self._withdraw = self.client.script(_WITHDRAW)
         self._provisional = self.client.script(_PROVISIONAL)
         self._apply = self.client.script(_APPLY)
+        self._holders = self.client.script(_HOLDERS)
+        self._forget = self.client.script(_FORGET)
 
     def key(self, model: str, replica: str) -> str:
         return f"{self.ns}:{{{_tag(model)}}}:r:{replica}"
 
     def exact_key(self, model: str, replica: str) -> str:
         return f"{self.ns}:{{{_tag(model)}}}:x:{replica}"
+
+    def _who(self, model: str) -> str:
+        """The key prefix of the model's who-holds sets (one per sampled block: the prefix, then its 8 bytes)."""
+        return f"{self.ns}:{{{_tag(model)}}}:w:"
 
     def _clock(self, model: str) -> str:
         return f"{self.ns}:{{{_tag(model)}}}:clock"
@@ -220,40 +305,47 @@ class RedisIndex:
         return Probe({r: Match(out[3 * i], out[3 * i + 1], out[3 * i + 2]) for i, r in enumerate(replicas)})
 
     async def holders(self, model: str, chain: Sequence[int], limit: int) -> list[str] | None:
-        return None  # one sorted set per replica: who holds a block is only known by asking each
+        if not chain or limit <= 0:
+            return []
+        out = await self.client.evalsha(self._holders, [], [self._who(model), self._packed(chain), limit])
+        return [r.decode() for r in out]
 
     async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> Receipt | None:
         if not chain:
             return None
         kept, top = await self.client.evalsha(self._record, [self.key(model, replica), self._clock(model)],
-                                              [max(1, capacity), self._packed(chain)])
+                                              [max(1, capacity), self._packed(chain), self._who(model), replica])
         return Receipt(model, replica, chain, kept, top)
 
     async def withdraw(self, receipt: Receipt) -> None:
         if receipt.kept < len(receipt.chain):
             if receipt.exact:
                 await self.client.evalsha(self._withdraw, [self.exact_key(receipt.model, receipt.replica)],
-                                          [receipt.kept, repr(receipt.stamp), self._packed(receipt.chain), "x"])
+                                          [receipt.kept, repr(receipt.stamp), self._packed(receipt.chain), "x",
+                                           self._who(receipt.model), receipt.replica])
             else:
                 await self.client.evalsha(self._withdraw, [self.key(receipt.model, receipt.replica)],
-                                          [receipt.kept, receipt.stamp, self._packed(receipt.chain), "r"])
+                                          [receipt.kept, receipt.stamp, self._packed(receipt.chain), "r",
+                                           self._who(receipt.model), receipt.replica])
 
     async def provisional(self, model: str, replica: str, chain: Sequence[int], expires: float) -> Receipt | None:
         if not chain:
             return None
         kept, added = await self.client.evalsha(self._provisional, [self.exact_key(model, replica)],
-                                                [repr(time.time()), repr(expires), self._packed(chain)])
+                                                [repr(time.time()), repr(expires), self._packed(chain),
+                                                 self._who(model), replica])
         return Receipt(model, replica, chain, kept, expires, exact=True) if added else None
 
     async def apply(self, model: str, replica: str, ops: Sequence[Op]) -> None:
         if ops:
             packed = b"".join([struct.pack(">BBQ", op, bit, h) for op, h, bit in ops])
-            await self.client.evalsha(self._apply, [self.exact_key(model, replica)], [packed])
+            await self.client.evalsha(self._apply, [self.exact_key(model, replica)],
+                                      [packed, self._who(model), replica])
 
     async def forget(self, replica: str, models: Sequence[str]) -> None:
-        if models:
-            await self.client.execute("DEL", *(k for m in models for k in (self.key(m, replica),
-                                                                          self.exact_key(m, replica))))
+        for m in models:
+            await self.client.evalsha(self._forget, [self.key(m, replica), self.exact_key(m, replica)],
+                                      [self._who(m), replica])
 
     async def size(self, model: str, replica: str) -> int:
         return (int(await self.client.execute("ZCARD", self.key(model, replica)))
