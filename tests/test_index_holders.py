@@ -4,53 +4,17 @@ The in-process index knows every block's holders; the Redis index those of the b
 ... of the chains routed through it, so blocks known only from a replica's events are named only in process.
 """
 
-import asyncio
-import itertools
-
 import pytest
 
-from loadtest.cluster import redis_server, wait_redis
-from router.index import CLEAR, REMOVE, STORE, build_index
+from router.index import CLEAR, REMOVE, STORE
+from test_index_contract import Runner, redis_proc, run  # noqa: F401 (fixtures: both backends)
 
 CHAIN = list(range(1000, 1032))  # 32 blocks
-_namespaces = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory):
-    p = redis_server(log_dir=tmp_path_factory.mktemp("redis")).start()
-    wait_redis(p)
-    yield p
-    p.stop()
-
-
-@pytest.fixture(params=["memory", "redis"])
-def run(request):
-    spec = "memory" if request.param == "memory" else f"redis://127.0.0.1:{request.getfixturevalue('redis_proc').port}/0"
-
-    def runner(body):
-        async def main():
-            idx = build_index(spec, namespace=f"holders{next(_namespaces)}", timeout_s=1.0)
-            await idx.start()
-            try:
-                return await body(idx)
-            finally:
-                await idx.close()
-        return asyncio.run(main())
-    return runner
 
 
 @pytest.fixture
 def run_memory():
-    def runner(body):
-        async def main():
-            idx = build_index("memory")
-            try:
-                return await body(idx)
-            finally:
-                await idx.close()
-        return asyncio.run(main())
-    return runner
+    return Runner("memory", "holders")
 
 
 def test_nobody_holds_a_prefix_of_an_empty_index(run):
