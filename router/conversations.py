@@ -76,14 +76,17 @@ class Conversations:
                     return Continuation(h, got[0], back > 0)
         return None
 
-    def expected(self, own: str | None = None) -> dict[str, float]:
+    def expected(self, own: str | None = None, among: Iterable[str] | None = None) -> dict[str, float]:
         """Per replica, the requests its waiting conversations are expected to send (``own``: the replica
-        where the asking request's own conversation waits, which does not count against it)."""
+        where the asking request's own conversation waits, which does not count against it; ``among``: only
+        these replicas, the few a decision on a large fleet weighs)."""
         share = self.continued_share()
         if share <= 0.0:
             return {}
         out = {}
-        for r, n in self._waiting.items():
+        waiting = self._waiting
+        pairs = waiting.items() if among is None else ((r, waiting.get(r, 0)) for r in among)
+        for r, n in pairs:
             n -= r == own
             if n > 0:
                 out[r] = share * n

@@ -232,7 +232,8 @@ class Router:
         if self.conversations is not None:
             if req.candidates is None:
                 req.continues = self.conversations.find(c for block in by_block for c in key.chains(block))
-            req.returning = self.conversations.expected(req.continues.replica if req.continues else None)
+            req.returning = self.conversations.expected(req.continues.replica if req.continues else None,
+                                                        req.candidates)
         self._m_lookup.observe(time.perf_counter() - started)
 
     def _unroutable(self, req: RouteRequest, e: NoCandidate) -> GatewayError:

@@ -252,3 +252,12 @@ def test_a_conversations_turns_that_grow_its_history_are_counted(cluster, tiny_r
     assert seen["next_turns"] == pytest.approx(2, abs=0.01) and seen["ended"] == 0
     assert seen["waiting"] == {"a": 1}
     assert seen["continued_share"] == pytest.approx(2 / (2 + PRIOR_ENDED), abs=0.01)
+
+
+def test_requests_expected_back_can_be_asked_for_a_few_replicas_only():
+    c = Conversations()
+    c.answered("x", [100])
+    come_back(c, 100)
+    c.answered("a", [1])
+    c.answered("b", [2])
+    assert set(c.expected(among=["b", "z"])) == {"b"}
