@@ -4,9 +4,13 @@ The in-process index knows every block's holders; the Redis index those of the b
 ... of the chains routed through it, so blocks known only from a replica's events are named only in process.
 """
 
+import asyncio
+import struct
+
 import pytest
 
 from router.index import CLEAR, REMOVE, STORE
+from router.index.redis import RedisIndex
 from test_index_contract import Runner, redis_proc, run  # noqa: F401 (fixtures: both backends)
 
 CHAIN = list(range(1000, 1032))  # 32 blocks
@@ -127,3 +131,17 @@ def test_clearing_a_replicas_cache_takes_it_off_the_holders(run):
         await idx.apply("m", "exact", [(STORE, h, 1) for h in CHAIN[:6]] + [(CLEAR, 0, 0)])
         return await idx.holders("m", CHAIN, 8)
     assert run(body) == []
+
+
+def test_a_prefix_routed_again_stays_named_in_redis_past_its_first_hour(redis_proc):
+    async def main():
+        idx = RedisIndex(f"redis://127.0.0.1:{redis_proc.port}/0", namespace="holders-ttl")
+        try:
+            await idx.record("m", "r1", CHAIN[:4], 1000)
+            key = idx._who("m").encode() + struct.pack(">Q", CHAIN[0])
+            await idx.client.execute("EXPIRE", key, 5)  # as if its hour were nearly over
+            await idx.record("m", "r1", CHAIN[:4], 1000)  # the same prefix, held already
+            return await idx.client.execute("TTL", key)
+        finally:
+            await idx.close()
+    assert asyncio.run(main()) > 3000

@@ -98,17 +98,16 @@ end
 return out
 """
 
-# Who holds which prefix: the replica (ARGV[who]) joins the sets of the chain's blocks at positions 1, 2, 4,
-# ... (ARGV[who - 1] is the sets' key prefix), and leaves the sets of blocks it no longer holds.
+# Who holds which prefix: the replica joins the sets (keys: `prefix` and the block) of the chain's blocks at
+# positions 1, 2, 4, ..., each kept an hour from now, those it held already too (a prefix in use stays named);
+# and it leaves the sets of blocks it no longer holds.
 _WHO = """
-local function who_holds(prefix, replica, chain, from)
+local function who_holds(prefix, replica, chain)
   local j = 1
   while j <= #chain / 8 do
-    if j >= from then
-      local key = prefix .. string.sub(chain, 8 * j - 7, 8 * j)
-      redis.call('SADD', key, replica)
-      redis.call('EXPIRE', key, 3600)
-    end
+    local key = prefix .. string.sub(chain, 8 * j - 7, 8 * j)
+    redis.call('SADD', key, replica)
+    redis.call('EXPIRE', key, 3600)
     j = j * 2
   end
 end
@@ -132,7 +131,7 @@ for j = kept + 1, #chain / 8 do
     added = added + 1
   end
 end
-if added > 0 then who_holds(ARGV[4], ARGV[5], chain, kept + 1) end
+who_holds(ARGV[4], ARGV[5], chain)
 return {kept, added}
 """
 
@@ -187,7 +186,7 @@ for j = 1, n do
   end
 end
 if #batch > 0 then redis.call('ZADD', KEYS[1], unpack(batch)) end
-who_holds(ARGV[3], ARGV[4], chain, kept + 1)
+who_holds(ARGV[3], ARGV[4], chain)
 local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1])
 if over > 0 then
   local popped = redis.call('ZPOPMIN', KEYS[1], over)
