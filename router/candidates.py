@@ -15,8 +15,8 @@ make a decision cost grow with the fleet (about 5 times more per request at 1,02
 
 The decision then reads the live load of just these, so its cost no longer depends on the size of
 the fleet. When none of them can take the request (all full, drained or tried), the caller weighs
-every replica. An index that cannot name the holders of a prefix (the Redis index) gets every
-replica weighed too.
+every replica. An index that cannot name the holders of a prefix (``holders`` answers None) gets
+every replica weighed too.
 """
 
 from __future__ import annotations
@@ -60,21 +60,20 @@ class Candidates:
         self._rng = rng or random.Random()
         self._ranking: Ranking | None = None
 
-    def ranked(self, model: str) -> list[str]:
-        """The ready, undrained replicas serving ``model``, least loaded first (at most ``ranking_s`` old)."""
+    def _current(self) -> Ranking:
+        """The ranking, made again once it is ``ranking_s`` old."""
         r = self._ranking
         if r is None or time.monotonic() - r.made_at >= self.cfg.ranking_s:
             r = self._ranking = Ranking(self.pool.views())
-        return r.by_model.get(model, [])
+        return r
+
+    def ranked(self, model: str) -> list[str]:
+        """The ready, undrained replicas serving ``model``, least loaded first (at most ``ranking_s`` old)."""
+        return self._current().by_model.get(model, [])
 
     def block_sizes(self, model: str) -> list[int]:
         """The KV block sizes of the ready replicas serving ``model`` (one on most fleets)."""
-        r = self._ranking
-        if r is None or time.monotonic() - r.made_at >= self.cfg.ranking_s:
-            self.ranked(model)
-            r = self._ranking
-        assert r is not None
-        return r.blocks.get(model, [])
+        return self._current().blocks.get(model, [])
 
     def is_large(self, model: str) -> bool:
         """Whether decisions for ``model`` weigh a few replicas rather than all of them."""

@@ -20,7 +20,7 @@ import json
 import logging
 import random
 import time
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 from .config import HealthConfig, IndexConfig, PLATFORMS, ProxyConfig, ReplicaConfig
 from .events import (EventBus, ReplicaAdded, ReplicaModels, ReplicaReady, ReplicaRemoved, ReplicaRestarted,
@@ -317,15 +317,8 @@ class ReplicaPool:
         return out
 
     def view_of(self, name: str) -> ReplicaView | None:
-        r = self.replicas.get(name)
-        if r is None:
-            return None
-        v = with_load(r.view, *self.load.figures(name))
-        if self.shared is not None:
-            o = self.shared.others(name)
-            if o != (0, 0):
-                v = with_others(v, *o)
-        return v
+        found = self.views((name,))
+        return found[0] if found else None
 
     def describe(self, r: Replica) -> dict[str, Any]:
         out = r.describe()

@@ -89,10 +89,6 @@ class SharedLoad:
         """The other routers' requests in flight and pending prefill tokens on ``replica``."""
         return self._others.get(replica, _NONE)
 
-    def describe(self) -> dict[str, Any]:
-        return {"id": self.id, "other_routers_seen": bool(self._others), "read_age_s":
-                round(time.monotonic() - self._others_at, 3) if self._others_at else None}
-
     async def start(self) -> None:
         self._background.spawn(self._loop())
 
