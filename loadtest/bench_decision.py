@@ -28,7 +28,7 @@ from router.config import HealthConfig, IndexConfig, PrefixConfig, ProxyConfig, 
 from router.index.fallback import FallbackIndex
 from router.index.memory import MemoryIndex
 from router.index.redis import RedisIndex
-from router.index.resp import Redis
+from router.store import Redis
 from router.keys import PromptKeys
 from router.load import LoadTable
 from router.metrics import Metrics
@@ -76,7 +76,7 @@ def make_router(n: int, backend: str) -> tuple[Router, ReplicaPool, RedisIndex |
     policy = build_policy("cache-aware")
     admission = Admission(policy, load, pool.views, pool.view_of, QueueConfig(), metrics, pool.events)
     cfg = IndexConfig(backend=backend, timeout_s=1.0)
-    raw = MemoryIndex() if backend == "memory" else RedisIndex(backend, timeout_s=1.0)
+    raw = MemoryIndex() if backend == "memory" else RedisIndex.from_url(backend, timeout_s=1.0)
     index = raw if backend == "memory" else FallbackIndex(raw, MemoryIndex(), cfg, metrics)
     router = Router(pool, load, policy, admission, LocalSessions(), metrics, pool.events, index=index,
                     keys=PromptKeys(PrefixConfig()))

@@ -33,7 +33,7 @@ from router.index.fallback import FallbackIndex
 from router.index.memory import MemoryIndex
 from router.index.precise import PreciseIndex
 from router.index.redis import RedisIndex
-from router.index.resp import Redis
+from router.store import Redis, Store
 from router.config import IndexConfig
 from router.kv_events.decode import DecodeStats, decode_frames
 from router.kv_events.lease import Lease
@@ -118,13 +118,13 @@ async def throughput(blocks: int, redis_url: str | None) -> list[dict[str, Any]]
                  "blocks_per_s": stored / secs, "blocks_per_cpu_s": stored / cpu})
     await mem.close()
     if redis_url:
-        shared = RedisIndex(redis_url, namespace="bench", timeout_s=1.0)
+        store = Store(redis_url, "bench")
+        shared = RedisIndex(store, timeout_s=1.0)
         cfg = IndexConfig(backend=redis_url, timeout_s=1.0)
         index = PreciseIndex(FallbackIndex(shared, MemoryIndex(), cfg, Metrics()))
         await shared.start()
         admin = Redis(redis_url)
-        lease_client = Redis(redis_url)
-        lease = Lease(lease_client, "bench", 30.0)
+        lease = Lease(store, 30.0)
         for with_lease in (False, True):
             await admin.execute("FLUSHALL")
             index.drop_sources("r")
@@ -137,6 +137,7 @@ async def throughput(blocks: int, redis_url: str | None) -> list[dict[str, Any]]
         await lease.close()
         await admin.close()
         await index.close()
+        await store.close()
     return rows
 
 

@@ -213,6 +213,108 @@ def redis_server(port: int | None = None, log_dir: Path | None = None) -> Proc:
     return Proc(f"redis-{port}", argv, port, log_path=(log_dir / f"redis-{port}.log") if log_dir else None)
 
 
+def _cluster_port() -> int:
+    """A free port for a cluster node: at most 55535, with the cluster bus port (10000 higher) free too."""
+    import random
+    for _ in range(1000):
+        port = random.randrange(20000, 45000)
+        if port in _issued or port + 10000 in _issued:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        _issued.update((port, port + 10000))
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+class RedisCluster:
+    """A throw-away Redis Cluster on 127.0.0.1: ``masters`` masters with ``replicas`` replicas each, nothing kept
+    on disk but the nodes' own cluster files (in ``work_dir``). Failover after ``node_timeout_ms`` of silence."""
+
+    def __init__(self, work_dir: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000) -> None:
+        self.work_dir = work_dir
+        self.node_timeout_ms = node_timeout_ms
+        self.procs: list[Proc] = []
+        for _ in range(masters * (1 + replicas)):
+            port = _cluster_port()
+            argv = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                    "--protected-mode", "no", "--daemonize", "no", "--cluster-enabled", "yes",
+                    "--cluster-config-file", str(work_dir / f"nodes-{port}.conf"), "--dir", str(work_dir),
+                    "--cluster-node-timeout", str(node_timeout_ms), "--repl-diskless-sync-delay", "0"]
+            self.procs.append(Proc(f"redis-cluster-{port}", argv, port, log_path=work_dir / f"redis-{port}.log"))
+        self.replicas = replicas
+
+    @property
+    def url(self) -> str:
+        """Every node as a seed; a client needs one."""
+        return "redis://" + ",".join(f"127.0.0.1:{p.port}" for p in self.procs)
+
+    def start(self, timeout: float = 30.0) -> "RedisCluster":
+        for p in self.procs:
+            p.start()
+        for p in self.procs:
+            wait_redis(p)
+        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p.port}" for p in self.procs),
+                        "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=timeout)
+        self.wait_ok(timeout)
+        return self
+
+    def cli(self, port: int, *args: str, timeout: float = 5.0) -> str:
+        return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True,
+                              timeout=timeout).stdout
+
+    def alive(self) -> list[Proc]:
+        return [p for p in self.procs if p.popen is not None and p.popen.poll() is None]
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Until every running node says the cluster is ok and every slot is served, and every replica has
+        its master's data (a replica that never synced cannot take over)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            infos = [self.cli(p.port, "CLUSTER", "INFO") for p in self.alive()]
+            if infos and all("cluster_state:ok" in i and "cluster_slots_ok:16384" in i for i in infos):
+                roles = [self.cli(p.port, "INFO", "replication") for p in self.alive()]
+                if all("role:master" in r or "master_link_status:up" in r for r in roles):
+                    return
+            time.sleep(0.1)
+        raise TimeoutError(f"the Redis Cluster did not come up in {timeout:g} s")
+
+    def masters(self) -> dict[int, list[tuple[int, int]]]:
+        """Port of each running master -> the slot ranges it serves."""
+        alive = self.alive()
+        out: dict[int, list[tuple[int, int]]] = {}
+        for line in self.cli(alive[0].port, "CLUSTER", "NODES").splitlines():
+            fields = line.split()
+            if len(fields) < 8 or "master" not in fields[2] or "fail" in fields[2]:
+                continue
+            port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+            ranges = []
+            for item in fields[8:]:
+                if item.startswith("["):
+                    continue
+                a, _, b = item.partition("-")
+                ranges.append((int(a), int(b or a)))
+            if ranges:
+                out[port] = ranges
+        return out
+
+    def proc(self, port: int) -> Proc:
+        return next(p for p in self.procs if p.port == port)
+
+    def flush(self) -> None:
+        for port in self.masters():
+            self.cli(port, "FLUSHALL")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop(timeout=5)
+
+
 def wait_redis(proc: Proc, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -33,11 +33,11 @@ from .conversations import Conversations
 from .errors import GatewayError
 from .events import EventBus
 from .failover import transcript_for
-from .index import PrefixIndex, build_index
+from .index import PrefixIndex
 from .index.fallback import FallbackIndex
 from .index.memory import MemoryIndex
 from .index.precise import PreciseIndex
-from .index.resp import Redis
+from .index.redis import RedisIndex
 from .shared_load import SharedLoad, new_host_id
 from .kv_events.feed import EventFeed
 from .kv_events.lease import Lease
@@ -51,6 +51,7 @@ from .proxy import Call, Forwarder, client_headers, send_error
 from .request import RouteRequest
 from .routing import Router
 from .sessions import build_sessions, session_digest
+from .store import Store
 
 log = logging.getLogger("kvroute.api")
 
@@ -75,12 +76,14 @@ class Gateway:
         # several workers share load (router.workers.check vetted the set-up)
         self.load = LoadTable([r.name for r in config.replicas], self.metrics, share, worker,
                               capacity=config.membership.max_replicas)
-        # with a Redis index, the routers on it share one load picture (router.shared_load)
+        # with a Redis index, every piece of shared state lives in one store (router.store)
+        self.store = Store(config.index.backend, config.index.namespace, config.index.background_timeout_s) \
+            if config.index.backend != "memory" else None
+        # the routers on it share one load picture (router.shared_load)
         self.shared_load: SharedLoad | None = None
-        if config.index.backend != "memory" and config.shared_load.enabled:
-            self.shared_load = SharedLoad(
-                Redis(config.index.backend, connect_timeout=config.index.background_timeout_s), config.index.namespace,
-                self.load, config.shared_load, share.host_id if share is not None else new_host_id(), worker)
+        if self.store is not None and config.shared_load.enabled:
+            self.shared_load = SharedLoad(self.store, self.load, config.shared_load,
+                                          share.host_id if share is not None else new_host_id(), worker)
         self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.load, self.events,
                                 default_blocks=config.index.default_blocks, shared=self.shared_load)
         index: PreciseIndex | None = None
@@ -88,27 +91,25 @@ class Gateway:
         self.feed: EventFeed | None = None
         if self.policy.uses_prefix:
             keys = PromptKeys(config.prefix, self.events)
-            base: PrefixIndex = MemoryIndex() if config.index.backend == "memory" else FallbackIndex(
-                build_index(config.index.backend, config.index.namespace, config.index.timeout_s), MemoryIndex(),
-                config.index, self.metrics)
+            base: PrefixIndex = MemoryIndex() if self.store is None else FallbackIndex(
+                RedisIndex(self.store, config.index.timeout_s), MemoryIndex(), config.index, self.metrics)
             index = PreciseIndex(base, config.kv_events.provisional_ttl_s, config.kv_events.slow_medium_weight)
             if config.kv_events.enabled:
                 lease = None
-                if config.index.backend != "memory":  # one consumer per replica for every router on this Redis
-                    lease = Lease(Redis(config.index.backend, connect_timeout=config.index.background_timeout_s),
-                                  config.index.namespace, config.kv_events.lease_s)
+                if self.store is not None:  # one consumer per replica for every router on this Redis
+                    lease = Lease(self.store, config.kv_events.lease_s)
                 self.feed = EventFeed(self.pool, index, keys, config.kv_events, self.metrics, self.events, lease)
         self.admission = Admission(self.policy, self.load, self.pool.views, self.pool.view_of, config.queue,
                                    self.metrics, self.events)
         self.router = Router(self.pool, self.load, self.policy, self.admission,
-                             build_sessions(config.index, config.sessions, self.metrics, share, self.load),
+                             build_sessions(config.index, config.sessions, self.metrics, share, self.load, self.store),
                              self.metrics, self.events,
                              index=index, keys=keys,
                              conversations=Conversations(config.conversations.window_s,
                                                          config.conversations.max_tracked) if keys else None,
                              candidates=Candidates(self.pool, config.candidates, index) if index else None)
         self.forwarder = Forwarder(self.router, self.pool, config.proxy, self.metrics, config.client.send_timeout_s)
-        self.membership = Membership(config, self.pool)
+        self.membership = Membership(config, self.pool, self.store)
         self.auth = Auth(config.auth)
         self.started = time.time()
         self.stopping = False  # SIGTERM came: /ready answers 503 while the listener is still open
@@ -307,6 +308,8 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
             if gw.shared_load is not None:
                 await gw.shared_load.close()
             await gw.pool.stop()
+            if gw.store is not None:
+                await gw.store.close()
 
     app = FastAPI(title="kvroute", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)

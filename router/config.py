@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from .store.client import parse_url
+
 Platform = Literal["gaudi2", "gaudi3", "aurora-pvc", "cuda", "cpu"]
 POLICIES = ("cache-aware", "least-loaded", "round-robin")
 
@@ -171,7 +173,9 @@ class ProxyConfig(_Model):
 
 
 class IndexConfig(_Model):
-    backend: str = Field("memory", description="memory, or redis://HOST:PORT/DB to share the index between routers")
+    backend: str = Field("memory", description="memory, or where routers share their state: redis://[USER:PASSWORD@]"
+                         "HOST:PORT/DB (rediss:// for TLS, unix:///PATH?db=N); a Redis Cluster is found by itself, "
+                         "from one node or several (redis://HOST:PORT,HOST:PORT)")
     namespace: str = Field("kvroute", min_length=1, description="prefix of every Redis key")
     timeout_s: float = Field(0.05, gt=0, description="a Redis call slower than this falls back to the local index")
     retry_after_s: float = Field(1.0, gt=0, description="once Redis looks down, use only the local index this long")
@@ -189,6 +193,11 @@ class IndexConfig(_Model):
     def _check_backend(cls, v: str) -> str:
         if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must be 'memory' or a redis:// URL")
+        if v != "memory":
+            try:
+                parse_url(v)
+            except ValueError as e:
+                raise ValueError(f"not a Redis URL: {e}") from None
         return v
 
 

@@ -25,7 +25,7 @@ import yaml
 
 from .background import Background
 from .config import ConfigError, ReplicaConfig, RouterConfig, replica_from
-from .index.resp import Redis, RedisError
+from .store import RedisError, Store
 from .load import TableFull
 from .pool import ReplicaPool
 
@@ -43,14 +43,13 @@ class MembershipError(Exception):
 
 
 class Membership:
-    def __init__(self, config: RouterConfig, pool: ReplicaPool) -> None:
+    def __init__(self, config: RouterConfig, pool: ReplicaPool, store: Store | None = None) -> None:
         self.cfg = config.membership
         self.file = config.replicas_file
         self.pool = pool
         self.workers = config.workers
-        self.redis = Redis(config.index.backend, connect_timeout=config.index.background_timeout_s) \
-            if config.index.backend != "memory" else None
-        self.key = f"{config.index.namespace}:replicas"
+        self.redis = store.client if store is not None else None
+        self.key = store.keys.replicas() if store is not None else ""
         self.redis_timeout_s = config.index.background_timeout_s
         self.source: dict[str, Source] = {r.name: "config" for r in config.replicas}
         self.draining: dict[str, float] = {}  # name -> when its drain began
@@ -67,8 +66,6 @@ class Membership:
 
     async def close(self) -> None:
         await self._background.close()
-        if self.redis is not None:
-            await self.redis.close()
 
     def describe(self, name: str) -> dict[str, Any]:
         out: dict[str, Any] = {"source": self.source.get(name, "config")}
@@ -120,7 +117,8 @@ class Membership:
 
     async def _redis(self, *args: Any) -> Any:
         assert self.redis is not None
-        return await asyncio.wait_for(self.redis.execute(*args), self.redis_timeout_s)
+        async with asyncio.timeout(self.redis_timeout_s):
+            return await self.redis.execute(*args)
 
     # -- joining and leaving -------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import xxhash
 
 from .background import Background
 from .config import IndexConfig, SessionConfig
-from .index.resp import Redis
+from .store import Store
 from .load import SESSION_SLOT_BYTES, HostShare, LoadTable
 from .metrics import Metrics
 
@@ -109,20 +109,20 @@ class SharedSessions:
 
 
 class RedisSessions:
-    def __init__(self, index: IndexConfig, cfg: SessionConfig, metrics: Metrics) -> None:
+    def __init__(self, store: Store, index: IndexConfig, cfg: SessionConfig, metrics: Metrics) -> None:
         self.local = LocalSessions(cfg.max_local)
-        self.prefix = f"{index.namespace}:s:"
+        self.keys = store.keys
         self.ttl_ms = max(1, int(cfg.ttl_s * 1000))
         self.timeout_s = index.timeout_s
         self.metrics = metrics
-        self.client = Redis(index.backend, connect_timeout=index.background_timeout_s)
+        self.client = store.client
         self._store_timeout_s = index.background_timeout_s
         self._background = Background()
 
     async def get(self, session: str) -> str | None:
         try:
             async with asyncio.timeout(self.timeout_s):
-                value = await self.client.execute("GET", self.prefix + session)
+                value = await self.client.execute("GET", self.keys.session(session))
             return value.decode() if value is not None else None
         except Exception as e:  # slow or down: this router's own memory answers
             self.metrics.index_errors.labels("session").inc()
@@ -136,21 +136,20 @@ class RedisSessions:
     async def _store(self, session: str, replica: str) -> None:
         try:
             async with asyncio.timeout(self._store_timeout_s):
-                await self.client.execute("SET", self.prefix + session, replica, "PX", self.ttl_ms)
+                await self.client.execute("SET", self.keys.session(session), replica, "PX", self.ttl_ms)
         except Exception as e:
             self.metrics.index_errors.labels("session").inc()
             log.debug("session store in Redis failed (%s)", e.__class__.__name__)
 
     async def close(self) -> None:
         await self._background.close()
-        await self.client.close()
         await self.local.close()
 
 
 def build_sessions(index: IndexConfig, cfg: SessionConfig, metrics: Metrics, share: HostShare | None = None,
-                   load: LoadTable | None = None) -> Sessions:
-    if index.backend != "memory":
-        return RedisSessions(index, cfg, metrics)
+                   load: LoadTable | None = None, store: Store | None = None) -> Sessions:
+    if store is not None:
+        return RedisSessions(store, index, cfg, metrics)
     if share is not None and share.workers > 1 and share.session_slots and load is not None:
         return SharedSessions(share, load)
     return LocalSessions(cfg.max_local)

@@ -28,7 +28,7 @@ from typing import Any
 
 from .background import Background
 from .config import SharedLoadConfig
-from .index.resp import LUA_HASH_CHANGES, Redis
+from .store import LUA_HASH_CHANGES, Store
 from .load import LoadTable
 
 log = logging.getLogger("kvroute.shared_load")
@@ -66,16 +66,14 @@ def new_host_id() -> str:
 class SharedLoad:
     """This router's share of the load picture: it publishes its figures and holds the others' sums."""
 
-    def __init__(self, redis: Redis, namespace: str, load: LoadTable, cfg: SharedLoadConfig, host_id: str,
-                 worker: int = 0) -> None:
-        self.redis = redis
+    def __init__(self, store: Store, load: LoadTable, cfg: SharedLoadConfig, host_id: str, worker: int = 0) -> None:
+        self.redis = redis = store.client
         self.load = load
         self.cfg = cfg
         self.host = host_id + "."
         self.id = f"{host_id}.{worker}"
-        tag = "{" + namespace + ":load}"
-        self._routers = f"{namespace}:{tag}:routers"
-        self._prefix = f"{namespace}:{tag}:r:"
+        self._routers = store.keys.load_routers()
+        self._prefix = store.keys.load_prefix()
         self._mine = self._prefix + self.id
         self._script = redis.script(_TICK)
         self._others: dict[str, Figures] = {}
@@ -100,7 +98,6 @@ class SharedLoad:
                 await self.redis.execute("DEL", self._mine)
         except Exception:
             pass
-        await self.redis.close()
 
     async def _loop(self) -> None:
         while True:

@@ -10,7 +10,7 @@ from typing import Iterator
 import pytest
 import yaml
 
-from loadtest.cluster import Proc, redis_server, router, simulator, slow_proxy, wait_redis
+from loadtest.cluster import Proc, RedisCluster, redis_server, router, simulator, slow_proxy, wait_redis
 
 # Fast by default: tests set slower timings where they need them.
 FAST = ("--ttft-ms", "2", "--itl-ms", "1")
@@ -82,6 +82,29 @@ def redis_proc(tmp_path: Path) -> Iterator[Proc]:
     wait_redis(p)
     yield p
     p.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """A Redis Cluster (3 masters, 3 replicas) for the whole session; tests that kill nodes start their own."""
+    c = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def shared_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """Where routers share their state: a redis-server of this test's own, or the session's Redis Cluster
+    (emptied first). A test taking it runs once on each."""
+    if request.param == "redis":
+        p = redis_server(log_dir=tmp_path).start()
+        wait_redis(p)
+        yield f"redis://127.0.0.1:{p.port}/0"
+        p.stop()
+    else:
+        c = request.getfixturevalue("redis_cluster")
+        c.flush()
+        yield c.url
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

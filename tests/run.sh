@@ -6,6 +6,7 @@ bash deploy/setup-venv.sh test
 # Real services the tests start themselves: redis-server, and Debian's prometheus (with promtool).
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
+command -v redis-cli >/dev/null || missing+=(redis-tools)  # redis-cli --cluster create: the Redis Cluster tests
 { command -v prometheus >/dev/null && command -v promtool >/dev/null; } || missing+=(prometheus)
 if [ ${#missing[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

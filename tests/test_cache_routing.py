@@ -121,11 +121,11 @@ def test_restarted_replica_is_forgotten(cluster):
     assert send(rt.url, q[1]).headers["x-kvroute-cached-tokens"] == "0"
 
 
-def test_two_routers_sharing_redis_send_a_prefix_group_to_the_same_replica(cluster, redis_proc):
+def test_two_routers_sharing_redis_send_a_prefix_group_to_the_same_replica(cluster, shared_url):
     sims = [cluster.sim(*SIM) for _ in range(3)]
     # a generous Redis timeout: this test is about sharing, not about a loaded CI machine's latency
     cfg = {**router_config(sims, "cache-aware"),
-           "index": {"backend": f"redis://127.0.0.1:{redis_proc.port}/0", "timeout_s": 0.5}}
+           "index": {"backend": shared_url, "timeout_s": 0.5}}
     a = cluster.router([], config=cfg)
     b = cluster.router([], config=cfg)
     for rt in (a, b):

@@ -19,7 +19,9 @@ import pytest
 
 from helpers import HTTP, Load, openai_streams_through_a_kill, replicas_view, sim_state, wait_until
 from loadtest.bad_replica import MODES
-from loadtest.cluster import Proc, free_port, redis_server, wait_redis
+from loadtest.cluster import Proc, RedisCluster, free_port, redis_server, wait_redis
+from loadtest.tiny_model import write_tokenizer
+from router.store.client import slot
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 
@@ -108,6 +110,79 @@ def test_redis_killed_and_restarted_under_load_fails_no_request(cluster, figure,
     figure({**s, "while_down": load.summary(since=down, until=down + 2),
             "fallback_lookups": metric(rt, "kvroute_index_fallback_lookups_total")})
     assert s["failed"] == 0 and metric(rt, "kvroute_index_fallback_lookups_total") > 0, s
+
+
+def test_a_redis_cluster_master_killed_under_load_fails_no_request(cluster, figure, tmp_path):
+    rc = RedisCluster(tmp_path).start()
+    cluster.procs.extend(rc.procs)
+    sims = [cluster.sim(*PACED) for _ in range(2)]
+    routers = [cluster.router(sims, "--index", rc.url) for _ in range(2)]
+    index_slot = slot("{tiny}")  # every index key of the model "tiny" (router.store.layout)
+    victim = next(port for port, ranges in rc.masters().items() if any(a <= index_slot <= b for a, b in ranges))
+    with Load(routers[0].url, clients=8, max_tokens=8) as a, Load(routers[1].url, clients=8, max_tokens=8) as b:
+        steady(1.0)
+        rc.proc(victim).kill()
+        down = time.monotonic()
+        rc.wait_ok(timeout=20)  # a replica promoted in its place
+        promoted = time.monotonic() - down
+        steady(1.0)
+        fallback_after = metric(routers[0], "kvroute_index_fallback_lookups_total")
+        steady(2.0)
+        fallback_later = metric(routers[0], "kvroute_index_fallback_lookups_total")
+    sa, sb = a.summary(), b.summary()
+    figure({"requests": sa["requests"] + sb["requests"], "failed": sa["failed"] + sb["failed"],
+            "promoted_after_s": round(promoted, 2), "fallback_lookups": fallback_later,
+            "while_down": a.summary(since=down, until=down + promoted)})
+    assert sa["failed"] == 0 and sb["failed"] == 0, (sa, sb)
+    assert fallback_after > 0  # routed on the local index while the slot had no master
+    assert fallback_later == fallback_after  # and on the promoted replica again once it had one
+
+
+def test_a_router_killed_among_four_costs_the_others_no_request_and_leaves_no_load_or_lease_behind(
+        cluster, figure, shared_url, tmp_path):
+    root = str(write_tokenizer(tmp_path / "tiny"))
+    sims = [cluster.sim(*PACED, "--root", root, "--block-size", "16", "--kv-events") for _ in range(4)]
+    shared = ("--index", shared_url, "--set", "kv_events.lease_s=1", "--set", "shared_load.ttl_s=1")
+    routers = [cluster.router(sims, *shared) for _ in range(4)]
+
+    def holders(sim):
+        out = []
+        for rt in routers:
+            try:
+                if replicas_view(rt)[sim.url]["index"]["events"]["lease_held"]:
+                    out.append(rt)
+            except httpx.HTTPError:
+                pass  # the router killed
+        return out
+
+    wait_until(lambda: all(len(holders(s)) == 1 for s in sims), timeout=15)
+    victim = max(routers, key=lambda rt: sum(holders(s) == [rt] for s in sims))
+    its_sims = [s for s in sims if holders(s) == [victim]]
+    others = [rt for rt in routers if rt is not victim]
+
+    def phantom():  # requests the survivors see on other routers, summed over every replica
+        return sum(r["other_routers_inflight"] for rt in others for r in replicas_view(rt).values())
+
+    loads = [Load(rt.url, clients=4, max_tokens=8, seed=i) for i, rt in enumerate(others)]
+    for load in loads:
+        load.__enter__()
+    with Load(victim.url, clients=4, max_tokens=8, seed=9) as doomed:
+        steady(1.5)
+        victim.kill()
+        killed = time.monotonic()
+        doomed.stop()  # its clients saw their router die
+    wait_until(lambda: all(len(holders(s)) == 1 for s in its_sims), timeout=5)
+    leases_moved = time.monotonic() - killed
+    steady(max(0.0, 1.5 - (time.monotonic() - killed)))  # past shared_load.ttl_s
+    for load in loads:
+        load.stop()
+    left = wait_until(lambda: phantom() == 0, timeout=3)
+    summaries = [load.summary() for load in loads]
+    figure({"requests": sum(s["requests"] for s in summaries), "failed": sum(s["failed"] for s in summaries),
+            "leases_held_by_the_killed": len(its_sims), "leases_moved_after_s": round(leases_moved, 2),
+            "phantom_gone_after_stop_s": round(left, 2)})
+    assert all(s["failed"] == 0 for s in summaries), summaries
+    assert its_sims and leases_moved < 2 * 1.0 + 1.0, leases_moved
 
 
 def test_redis_slowed_by_100_ms_under_load_fails_no_request(cluster, figure, tmp_path):

@@ -38,9 +38,14 @@ async def lookup(index, model, chain, replicas):
     return {r: m.blocks for r, m in (await index.probe(model, chain, replicas)).matches.items()}
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 def run(request, redis_proc):
-    spec = "memory" if request.param == "memory" else f"redis://127.0.0.1:{redis_proc.port}/0"
+    if request.param == "memory":
+        spec = "memory"
+    elif request.param == "redis":
+        spec = f"redis://127.0.0.1:{redis_proc.port}/0"
+    else:
+        spec = request.getfixturevalue("redis_cluster").url
     return Runner(spec, f"t{abs(hash(request.node.name))}")
 
 

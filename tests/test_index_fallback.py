@@ -12,7 +12,7 @@ from router.metrics import Metrics
 
 def fallback(url, **cfg):
     cfg = IndexConfig(backend=url, timeout_s=0.2, retry_after_s=0.2, **cfg)
-    return FallbackIndex(RedisIndex(url, namespace="fb", timeout_s=cfg.timeout_s), MemoryIndex(), cfg, Metrics())
+    return FallbackIndex(RedisIndex.from_url(url, namespace="fb", timeout_s=cfg.timeout_s), MemoryIndex(), cfg, Metrics())
 
 
 async def settle(index, until, timeout=5.0):
@@ -27,7 +27,7 @@ def test_records_reach_redis_and_withdrawals_take_them_back(redis_proc):
 
     async def go():
         index = fallback(url)
-        other = RedisIndex(url, namespace="fb")  # another router's view
+        other = RedisIndex.from_url(url, namespace="fb")  # another router's view
         try:
             await index.start()
             receipt = await index.record("m", "a", [1, 2, 3], 100)

@@ -135,7 +135,7 @@ def test_clearing_a_replicas_cache_takes_it_off_the_holders(run):
 
 def test_a_prefix_routed_again_stays_named_in_redis_past_its_first_hour(redis_proc):
     async def main():
-        idx = RedisIndex(f"redis://127.0.0.1:{redis_proc.port}/0", namespace="holders-ttl")
+        idx = RedisIndex.from_url(f"redis://127.0.0.1:{redis_proc.port}/0", namespace="holders-ttl")
         try:
             await idx.record("m", "r1", CHAIN[:4], 1000)
             key = idx._who("m").encode() + struct.pack(">Q", CHAIN[0])

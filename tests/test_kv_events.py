@@ -223,9 +223,9 @@ def lease_holders(routers, sim):
     return out
 
 
-def test_one_router_consumes_a_replicas_events_and_another_takes_over_when_it_dies(cluster, model_root, redis_proc):
+def test_one_router_consumes_a_replicas_events_and_another_takes_over_when_it_dies(cluster, model_root, shared_url):
     sim = events_sim(cluster, model_root)
-    shared = ("--index", f"redis://127.0.0.1:{redis_proc.port}/0", "--set", "kv_events.lease_s=1")
+    shared = ("--index", shared_url, "--set", "kv_events.lease_s=1")
     routers = [cluster.router([sim], *shared) for _ in range(2)]
     wait_until(lambda: len(lease_holders(routers, sim)) == 1, 10)
     holder = lease_holders(routers, sim)[0]

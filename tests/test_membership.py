@@ -98,9 +98,9 @@ def test_replicas_file_adds_and_removes_replicas_as_it_changes(cluster, tmp_path
     assert "replicas[0].url" in rt.log_tail()
 
 
-def test_with_redis_a_replica_registered_on_one_router_is_used_by_all_and_survives_a_restart(cluster, redis_proc):
+def test_with_redis_a_replica_registered_on_one_router_is_used_by_all_and_survives_a_restart(cluster, shared_url):
     a, b = cluster.sim(), cluster.sim()
-    index = ["--index", f"redis://127.0.0.1:{redis_proc.port}/0", "--set", "membership.sync_interval_s=0.2"]
+    index = ["--index", shared_url, "--set", "membership.sync_interval_s=0.2"]
     one, two = cluster.router([a], *index), cluster.router([a], *index)
     r = HTTP.post(one.url + ADMIN, json={"name": "shared", "url": b.url}, timeout=5)
     assert r.status_code == 201, r.text

@@ -1,4 +1,4 @@
-"""The hot path's Redis client (router/index/resp.py) against real redis-server processes."""
+"""The hot path's Redis client (router/store) against real redis-server processes."""
 
 import asyncio
 import signal
@@ -6,7 +6,8 @@ import signal
 import pytest
 
 from loadtest.cluster import Proc, free_port, wait_redis
-from router.index.resp import ConnectionLost, Redis, ReplyError, _Incomplete, encode, parse
+from router.store.resp import ConnectionLost, ReplyError, _Incomplete, encode, parse
+from router.store import Redis
 
 
 @pytest.fixture
@@ -133,7 +134,7 @@ def test_a_server_that_stops_answering_bounds_the_waiting_calls(server):
                         await r.execute("PING")
                 except (TimeoutError, ConnectionLost):
                     timed_out += 1
-            pending = len(r._conn.waiters) if r._conn is not None else 0
+            pending = sum(n.waiting for n in r._nodes.values())
             await asyncio.sleep(0.35)
             with pytest.raises(ConnectionLost):  # the stalled connection is given up...
                 await r.execute("PING")

@@ -35,9 +35,9 @@ def test_a_failed_first_attempt_does_not_draw_its_prefix_to_that_replica(cluster
     assert int(third.headers["x-kvroute-cached-tokens"]) > 0
 
 
-def test_two_routers_sharing_redis_keep_a_session_on_one_replica_with_least_loaded(cluster, redis_proc):
+def test_two_routers_sharing_redis_keep_a_session_on_one_replica_with_least_loaded(cluster, shared_url):
     sims = [cluster.sim(*FAST) for _ in range(3)]
-    routers = [cluster.router(sims, "--policy", "least-loaded", "--index", f"redis://127.0.0.1:{redis_proc.port}/0")
+    routers = [cluster.router(sims, "--policy", "least-loaded", "--index", shared_url)
                for _ in range(2)]
     placed = {}
     for session in range(4):

@@ -10,7 +10,7 @@ import uuid
 import httpx
 
 from helpers import HTTP
-from router.index.resp import Redis
+from router.store import Redis
 
 CLIENT_KEY = "client-key-" + uuid.uuid4().hex
 ADMIN_KEY = "admin-key-" + uuid.uuid4().hex

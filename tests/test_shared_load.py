@@ -27,14 +27,10 @@ def others(rt):
     return {url: r["other_routers_inflight"] for url, r in replicas_view(rt).items()}
 
 
-def redis_url(redis_proc):
-    return f"redis://127.0.0.1:{redis_proc.port}/0"
-
-
-def test_a_router_sees_the_requests_another_router_has_in_flight(cluster, redis_proc):
+def test_a_router_sees_the_requests_another_router_has_in_flight(cluster, shared_url):
     sims = [cluster.sim(*SLOW) for _ in range(2)]
-    a = cluster.router(sims, "--index", redis_url(redis_proc))
-    b = cluster.router(sims, "--index", redis_url(redis_proc))
+    a = cluster.router(sims, "--index", shared_url)
+    b = cluster.router(sims, "--index", shared_url)
     threads = hold(a, 4)
     took = wait_until(lambda: sum(others(b).values()) == 4, timeout=3)
     assert took < 1.0  # well under a scrape interval
@@ -46,10 +42,10 @@ def test_a_router_sees_the_requests_another_router_has_in_flight(cluster, redis_
     wait_until(lambda: sum(others(b).values()) == 0, timeout=3)
 
 
-def test_a_router_places_requests_away_from_another_routers_load(cluster, redis_proc):
+def test_a_router_places_requests_away_from_another_routers_load(cluster, shared_url):
     sims = [cluster.sim(*SLOW) for _ in range(2)]
-    a = cluster.router([sims[0]], "--index", redis_url(redis_proc))  # A sends everything to the first
-    b = cluster.router(sims, "--index", redis_url(redis_proc), "--policy", "least-loaded")
+    a = cluster.router([sims[0]], "--index", shared_url)  # A sends everything to the first
+    b = cluster.router(sims, "--index", shared_url, "--policy", "least-loaded")
     threads = hold(a, 6)
     wait_until(lambda: sum(others(b).values()) == 6, timeout=3)
     placed = [HTTP.post(b.url + "/admin/explain/v1/completions",
@@ -60,10 +56,10 @@ def test_a_router_places_requests_away_from_another_routers_load(cluster, redis_
         t.join()
 
 
-def test_without_the_shared_picture_another_routers_requests_are_not_seen_at_once(cluster, redis_proc):
+def test_without_the_shared_picture_another_routers_requests_are_not_seen_at_once(cluster, shared_url):
     sims = [cluster.sim(*SLOW) for _ in range(2)]
-    a = cluster.router(sims, "--index", redis_url(redis_proc))
-    b = cluster.router(sims, "--index", redis_url(redis_proc), "--set", "shared_load.enabled=false")
+    a = cluster.router(sims, "--index", shared_url)
+    b = cluster.router(sims, "--index", shared_url, "--set", "shared_load.enabled=false")
     threads = hold(a, 4)
     wait_until(lambda: sum(r["inflight"] for r in replicas_view(a).values()) == 4, timeout=3)
     time.sleep(0.3)
@@ -72,10 +68,10 @@ def test_without_the_shared_picture_another_routers_requests_are_not_seen_at_onc
         t.join()
 
 
-def test_a_killed_routers_requests_leave_the_picture_within_its_ttl(cluster, redis_proc):
+def test_a_killed_routers_requests_leave_the_picture_within_its_ttl(cluster, shared_url):
     sims = [cluster.sim("--ttft-ms", "10000", "--itl-ms", "1") for _ in range(2)]
-    a = cluster.router(sims, "--index", redis_url(redis_proc), "--set", "shared_load.ttl_s=1")
-    b = cluster.router(sims, "--index", redis_url(redis_proc), "--set", "shared_load.ttl_s=1")
+    a = cluster.router(sims, "--index", shared_url, "--set", "shared_load.ttl_s=1")
+    b = cluster.router(sims, "--index", shared_url, "--set", "shared_load.ttl_s=1")
     hold(a, 4)
     wait_until(lambda: sum(others(b).values()) == 4, timeout=3)
     a.kill()

@@ -119,5 +119,5 @@ def build_index(spec: str, namespace: str = "kvroute", timeout_s: float = 0.05) 
         return MemoryIndex()
     if spec.startswith(("redis://", "rediss://", "unix://")):
         from .redis import RedisIndex
-        return RedisIndex(spec, namespace=namespace, timeout_s=timeout_s)
+        return RedisIndex.from_url(spec, namespace=namespace, timeout_s=timeout_s)
     raise ValueError(f"unknown index {spec!r}: use 'memory' or 'redis://HOST:PORT/DB'")

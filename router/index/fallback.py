@@ -131,14 +131,16 @@ class FallbackIndex:
         if not self._usable():
             raise SharedIndexDown("the shared index is down")
         try:
-            await asyncio.wait_for(self.shared.apply(model, replica, ops), self._slow_timeout)
+            async with asyncio.timeout(self._slow_timeout):
+                await self.shared.apply(model, replica, ops)
         except Exception as e:
             self._failed("apply", e)
             raise SharedIndexDown(str(e) or e.__class__.__name__) from None
 
     async def _shared(self, op: str, call: "Callable[[], Awaitable[Receipt | None]]") -> Receipt | None:
         try:
-            return await asyncio.wait_for(call(), self._slow_timeout)
+            async with asyncio.timeout(self._slow_timeout):
+                return await call()
         except TimeoutError:  # off the request's path: slow is not down, lookups decide that
             self.metrics.index_errors.labels(op).inc()
         except Exception as e:
@@ -156,14 +158,16 @@ class FallbackIndex:
         try:
             receipt = await recorded
             if receipt is not None:
-                await asyncio.wait_for(self.shared.withdraw(receipt), self._slow_timeout)
+                async with asyncio.timeout(self._slow_timeout):
+                    await self.shared.withdraw(receipt)
         except Exception as e:
             self._failed("withdraw", e)
 
     async def forget(self, replica: str, models: Sequence[str]) -> None:
         await self.local.forget(replica, models)
         try:
-            await asyncio.wait_for(self.shared.forget(replica, models), self._slow_timeout)
+            async with asyncio.timeout(self._slow_timeout):
+                await self.shared.forget(replica, models)
         except Exception as e:
             self._failed("forget", e)
 
@@ -177,7 +181,9 @@ class FallbackIndex:
     async def _connect(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self.shared.start(), self._slow_timeout)
+                # asyncio.timeout, not wait_for: a close() that comes as the call fails is not lost
+                async with asyncio.timeout(self._slow_timeout):
+                    await self.shared.start()
                 log.info("prefix index: Redis at %s is ready", self.cfg.backend.split("@")[-1])
                 return
             except Exception as e:

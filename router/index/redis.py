@@ -1,7 +1,8 @@
 """The Redis prefix index, shared by router instances.
 
 Per (model, replica) one sorted set of 8-byte block hashes scored by last use. Every key of a
-model carries the hash tag ``{model}``, so one model's keys live in one slot (Redis Cluster).
+model carries the hash tag ``{model}`` (:mod:`router.store.layout`), so one model's keys live in
+one slot of a Redis Cluster, and its scripts run there.
 
 The blocks held of any chain always form a prefix of it: a block's hash stands for its whole
 prefix, so every recorded chain that holds block j+1 holds block j too; recording stamps the
@@ -33,7 +34,7 @@ import time
 from typing import Collection, Sequence
 
 from . import Match, Op, Probe, Receipt
-from .resp import Redis
+from ..store import Store
 
 
 # Length of the longest prefix of the chain (ARGV chain, 8 bytes per block) held in `key`. The blocks
@@ -254,19 +255,14 @@ return 1
 """
 
 
-def _tag(model: str) -> str:
-    return model.replace("{", "(").replace("}", ")")
-
-
 class RedisIndex:
     name = "redis"
 
-    def __init__(self, url: str, namespace: str = "kvroute", timeout_s: float = 0.05) -> None:
-        self.url = url
-        self.ns = namespace
-        # Lookups are bounded by the caller (index.timeout_s, on the request's path); connecting may
-        # take a little longer on a busy host.
-        self.client = Redis(url, connect_timeout=max(1.0, timeout_s))
+    def __init__(self, store: Store, timeout_s: float = 0.05) -> None:
+        self.store = store
+        self.client = store.client
+        self.keys = store.keys
+        self._owns_store = False
         self._lookup = self.client.script(_LOOKUP)
         self._record = self.client.script(_RECORD)
         self._withdraw = self.client.script(_WITHDRAW)
@@ -275,18 +271,26 @@ class RedisIndex:
         self._holders = self.client.script(_HOLDERS)
         self._forget = self.client.script(_FORGET)
 
+    @classmethod
+    def from_url(cls, url: str, namespace: str = "kvroute", timeout_s: float = 0.05) -> "RedisIndex":
+        """An index with a store of its own, closed with it."""
+        # Lookups are bounded by the caller (index.timeout_s, on the request's path); connecting may
+        # take a little longer on a busy host.
+        index = cls(Store(url, namespace, connect_timeout=max(1.0, timeout_s)), timeout_s)
+        index._owns_store = True
+        return index
+
     def key(self, model: str, replica: str) -> str:
-        return f"{self.ns}:{{{_tag(model)}}}:r:{replica}"
+        return self.keys.replica_blocks(model, replica)
 
     def exact_key(self, model: str, replica: str) -> str:
-        return f"{self.ns}:{{{_tag(model)}}}:x:{replica}"
+        return self.keys.replica_exact(model, replica)
 
     def _who(self, model: str) -> str:
-        """The key prefix of the model's who-holds sets (one per sampled block: the prefix, then its 8 bytes)."""
-        return f"{self.ns}:{{{_tag(model)}}}:w:"
+        return self.keys.holders_prefix(model)
 
     def _clock(self, model: str) -> str:
-        return f"{self.ns}:{{{_tag(model)}}}:clock"
+        return self.keys.clock(model)
 
     @staticmethod
     def _packed(chain: Sequence[int]) -> bytes:
@@ -306,7 +310,9 @@ class RedisIndex:
     async def holders(self, model: str, chain: Sequence[int], limit: int) -> list[str] | None:
         if not chain or limit <= 0:
             return []
-        out = await self.client.evalsha(self._holders, [], [self._who(model), self._packed(chain), limit])
+        # the clock names the model's slot (the sets read are under the same hash tag)
+        out = await self.client.evalsha(self._holders, [self._clock(model)],
+                                        [self._who(model), self._packed(chain), limit])
         return [r.decode() for r in out]
 
     async def record(self, model: str, replica: str, chain: Sequence[int], capacity: int) -> Receipt | None:
@@ -356,4 +362,5 @@ class RedisIndex:
         await self.client.load_scripts()
 
     async def close(self) -> None:
-        await self.client.close()
+        if self._owns_store:
+            await self.store.close()

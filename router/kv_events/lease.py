@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 import msgspec
 
-from ..index.resp import LUA_HASH_CHANGES, Redis
+from ..store import LUA_HASH_CHANGES, Store
 
 # Renew: only the holder extends the lease. KEYS[1] lease; ARGV[1] holder id, ARGV[2] lease ms.
 _RENEW = """
@@ -57,9 +57,9 @@ def router_id() -> str:
 
 
 class Lease:
-    def __init__(self, client: Redis, namespace: str, lease_s: float, holder: str | None = None) -> None:
-        self.client = client
-        self.ns = namespace
+    def __init__(self, store: Store, lease_s: float, holder: str | None = None) -> None:
+        self.client = client = store.client
+        self.keys = store.keys
         self.ms = max(1, int(lease_s * 1000))
         self.holder = holder or router_id()
         self._renew = client.script(_RENEW)
@@ -68,8 +68,7 @@ class Lease:
         self._held: set[str] = set()
 
     def _key(self, replica: str, what: str) -> str:
-        tag = replica.replace("{", "(").replace("}", ")")
-        return f"{self.ns}:events:{{{tag}}}:{what}"
+        return self.keys.lease(replica, what)
 
     async def acquire(self, replica: str) -> bool:
         got = await self.client.execute("SET", self._key(replica, "lease"), self.holder, "NX", "PX", self.ms)
@@ -117,9 +116,8 @@ class Lease:
         await self.client.execute("DEL", self._key(replica, "seq"), *(self._key(replica, f"map:{r}") for r in ranks))
 
     async def close(self) -> None:
-        """Give up every lease held (another router takes over at once) and disconnect."""
+        """Give up every lease held (another router takes over at once)."""
         await self.release_all()
-        await self.client.close()
 
     async def release_all(self) -> None:
         for replica in list(self._held):

@@ -1,50 +1,25 @@
-"""A small Redis client for the hot path: RESP2 over one pipelined asyncio connection.
+"""RESP2 over one pipelined asyncio connection to one Redis server: the protocol and :class:`Node`.
 
-Why not redis-py's asyncio client here: it spends about 180 us of CPU per command (a PING
-included) in its connection pool, locks and retry layers, more than the rest of a routing
-decision. This client writes each command at once on one shared connection and matches replies
-to callers in order; about 10 us per command.
+Why not redis-py's asyncio client: it spends about 180 us of CPU per command (a PING included) in
+its connection pool, locks and retry layers, more than the rest of a routing decision. A node
+writes each command at once on one shared connection and matches replies to callers in order;
+about 10 us per command. :class:`router.store.client.Redis` puts one node per server behind one
+client (a Redis, or every master of a Redis Cluster).
 
 Every wait is bounded by its caller (``asyncio.timeout``): a call that timed out still gets its
 reply slot, and the reply is dropped when it comes. If replies stop coming (more than
 ``max_pending`` calls waiting, or the oldest waiting longer than ``stall_s``), the connection is
 dropped, every waiting call fails, and the next call connects again.
-
-URLs: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` (TLS), ``unix:///path?db=N``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import ssl
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
-
-
-# A Lua function for scripts that change a hash: from ARGV[i] on, n (field, value) pairs to set, then every
-# remaining argument a field to delete (in batches, within Lua's limit on unpack).
-LUA_HASH_CHANGES = """
-local function hash_changes(key, n, i)
-  while n > 0 do
-    local upto = math.min(n, 500)
-    local batch = {}
-    for j = 1, upto do
-      batch[#batch + 1] = ARGV[i]; batch[#batch + 1] = ARGV[i + 1]; i = i + 2
-    end
-    redis.call('HSET', key, unpack(batch))
-    n = n - upto
-  end
-  local gone = {}
-  while i <= #ARGV do
-    gone[#gone + 1] = ARGV[i]; i = i + 1
-    if #gone >= 500 then redis.call('HDEL', key, unpack(gone)); gone = {} end
-  end
-  if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
-end
-"""
 
 
 class RedisError(Exception):
@@ -154,30 +129,49 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-class Redis:
-    def __init__(self, url: str, connect_timeout: float = 1.0, max_pending: int = 4096, stall_s: float = 5.0) -> None:
-        parts = urlsplit(url)
-        self.scheme = parts.scheme
-        if parts.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r}")
-        self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or 6379
-        self.path = parts.path
-        query = parse_qs(parts.query)
-        if parts.scheme == "unix":
-            self.db = int(query.get("db", ["0"])[0])
-        else:
-            self.db = int(parts.path.strip("/") or query.get("db", ["0"])[0])
-        self.username = unquote(parts.username) if parts.username else None
-        self.password = unquote(parts.password) if parts.password else None
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where one server listens, and how to talk to it (from the client's URL)."""
+
+    host: str = "127.0.0.1"
+    port: int = 6379
+    path: str | None = None  # a Unix socket instead of host:port
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+    db: int = 0
+
+    def at(self, host: str, port: int) -> "Address":
+        """The same credentials and TLS at another server (a cluster's other nodes)."""
+        return Address(host, port, None, self.tls, self.username, self.password, self.db)
+
+    def __str__(self) -> str:
+        return self.path if self.path else f"{self.host}:{self.port}"
+
+
+class Node:
+    """One server, one pipelined connection, opened when first needed and again after it was lost."""
+
+    def __init__(self, address: Address, connect_timeout: float = 1.0, max_pending: int = 4096,
+                 stall_s: float = 5.0) -> None:
+        self.address = address
         self.connect_timeout = connect_timeout
         self.max_pending = max_pending
         self.stall_s = stall_s
         self._conn: _Connection | None = None
         self._connecting: asyncio.Future[_Connection] | None = None
-        self._scripts: dict[bytes, bytes] = {}  # sha1 hex -> source
 
-    # -- connection ----------------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        """Calls sent and not answered yet."""
+        return len(self._conn.waiters) if self._conn is not None and not self._conn.closed else 0
 
     async def _connection(self) -> _Connection:
         conn = self._conn
@@ -191,9 +185,14 @@ class Redis:
             except BaseException as e:
                 error = e if isinstance(e, Exception) else ConnectionLost("connecting was interrupted")
                 if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
-                    error = ConnectionLost(f"connecting to Redis took over {self.connect_timeout:g} s")
+                    error = ConnectionLost(f"connecting to Redis at {self.address} took over "
+                                           f"{self.connect_timeout:g} s")
+                elif isinstance(e, OSError) and not isinstance(e, RedisError):
+                    error = ConnectionLost(f"cannot connect to Redis at {self.address}: {e.strerror or e}")
                 self._connecting.set_exception(error)
                 self._connecting.exception()  # retrieved: no warning if nobody else waits
+                if isinstance(e, Exception) and error is not e:
+                    raise error from None
                 raise
             finally:
                 self._connecting = None
@@ -202,17 +201,18 @@ class Redis:
 
     async def _open(self) -> _Connection:
         loop = asyncio.get_running_loop()
-        if self.scheme == "unix":
-            _, conn = await loop.create_unix_connection(_Connection, self.path)
+        a = self.address
+        if a.path:
+            _, conn = await loop.create_unix_connection(_Connection, a.path)
         else:
-            context = ssl.create_default_context() if self.scheme == "rediss" else None
-            _, conn = await loop.create_connection(_Connection, self.host, self.port, ssl=context,
-                                                   server_hostname=self.host if context else None)
+            context = ssl.create_default_context() if a.tls else None
+            _, conn = await loop.create_connection(_Connection, a.host, a.port, ssl=context,
+                                                   server_hostname=a.host if context else None)
         hello: list[tuple[Any, ...]] = []
-        if self.password is not None:
-            hello.append(("AUTH", self.username, self.password) if self.username else ("AUTH", self.password))
-        if self.db:
-            hello.append(("SELECT", self.db))
+        if a.password is not None:
+            hello.append(("AUTH", a.username, a.password) if a.username else ("AUTH", a.password))
+        if a.db:
+            hello.append(("SELECT", a.db))
         try:
             for args in hello:
                 await self._send(conn, args)
@@ -225,7 +225,7 @@ class Redis:
         if conn.waiters:
             if len(conn.waiters) >= self.max_pending or time.monotonic() - conn.waiters[0][1] > self.stall_s:
                 conn.fail(ConnectionLost("Redis stopped answering; reconnecting"))
-                raise ConnectionLost("Redis stopped answering")
+                raise ConnectionLost(f"Redis at {self.address} stopped answering")
         fut = asyncio.get_running_loop().create_future()
         conn.waiters.append((fut, time.monotonic()))
         return fut
@@ -236,33 +236,29 @@ class Redis:
         conn.transport.write(encode(args))
         return await fut
 
-    # -- commands ------------------------------------------------------------------------------
-
     async def execute(self, *args: Any) -> Any:
         """Send one command and return its reply (bytes, int, None or lists of them)."""
         return await self._send(await self._connection(), args)
 
-    def script(self, source: str) -> bytes:
-        """Register a Lua script; returns its SHA1 for :meth:`evalsha`."""
-        sha = hashlib.sha1(source.encode()).hexdigest().encode()
-        self._scripts[sha] = source.encode()
-        return sha
-
-    async def evalsha(self, sha: bytes, keys: list[str], args: list[Any]) -> Any:
-        """Run a registered script; loads it first if the server does not know it (restarted, flushed)."""
+    async def execute_asking(self, *args: Any) -> Any:
+        """ASKING, then the command, back to back on the connection (a Redis Cluster slot being moved here)."""
+        conn = await self._connection()
+        asking = self._waiter(conn)
+        fut = self._waiter(conn)
+        assert conn.transport is not None
+        conn.transport.write(encode(("ASKING",)) + encode(args))
+        fut.add_done_callback(_retrieved)  # if the caller gives up while waiting for ASKING's reply
         try:
-            return await self.execute("EVALSHA", sha, len(keys), *keys, *args)
-        except ReplyError as e:
-            if not str(e).startswith("NOSCRIPT"):
-                raise
-        await self.execute("SCRIPT", "LOAD", self._scripts[sha])
-        return await self.execute("EVALSHA", sha, len(keys), *keys, *args)
+            await asking
+        except ReplyError:
+            pass  # the command's own reply says what went wrong
+        return await fut
 
-    async def load_scripts(self) -> None:
-        for source in self._scripts.values():
-            await self.execute("SCRIPT", "LOAD", source)
-
-    async def close(self) -> None:
+    def drop(self) -> None:
+        """Close the connection; calls waiting on it fail, and the next call connects again."""
         if self._conn is not None:
             self._conn.fail(ConnectionLost("the client was closed"))
             self._conn = None
+
+    async def close(self) -> None:
+        self.drop()
