@@ -44,6 +44,17 @@ from .engine import Engine, EngineLoop, Request, StepCost
 from .kv_publisher import KvPublisher
 from .profiles import PROFILES
 
+# The rest of a vLLM 0.32 replica's /metrics page (captured from one; the families the stand-in does not
+# compute itself: HTTP, Python, latency histograms, ...), so that a scrape reads as many bytes as vLLM's (~56 KB).
+_METRICS_REST = (Path(__file__).parent / "vllm_metrics_rest.txt").read_text()
+_metrics_rest_of: dict[str, str] = {}  # per model name: one copy for every replica a process hosts
+
+
+def metrics_rest(model: str) -> str:
+    if model not in _metrics_rest_of:
+        _metrics_rest_of[model] = _METRICS_REST.replace('model_name="tiny"', f'model_name="{model}"')
+    return _metrics_rest_of[model]
+
 VERSION = "0.32.0"
 FINGERPRINT = "vllm-0.32.0-98d74f34"
 VOCAB = ("ved", " the", " of", " and", " to", " in", " is", " a", " that", " it")
@@ -189,6 +200,7 @@ class VLLMSimulator:
                  faults: Faults | None = None, seed: int | None = None, root: str | None = None,
                  kv_events: KvPublisher | None = None, engine: Engine | None = None, time_scale: float = 1.0) -> None:
         self.model = model
+        self._metrics_rest = metrics_rest(model)
         self.root = root or f"/models/{model}"  # what /v1/models reports the model was loaded from
         # with the model's tokenizer in that folder, prompts are its token ids (as vLLM's); without, a
         # token is --bytes-per-token bytes of the prompt text
@@ -689,7 +701,7 @@ class VLLMSimulator:
             f'kv_cache_size_tokens="{self.block_size * self.num_gpu_blocks}",num_gpu_blocks="{self.num_gpu_blocks}",'
             f'prefix_caching_hash_algo="sha256"}} 1.0',
         ]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + self._metrics_rest
 
 
 # -- helpers -------------------------------------------------------------------------------

@@ -140,11 +140,12 @@ class HealthConfig(_Model):
     fail_threshold: int = Field(2, ge=1, description="consecutive failed checks that make a ready replica unready")
     rise_threshold: int = Field(2, ge=1, description="consecutive good checks that bring an ejected replica back")
     metrics_interval_s: float = Field(1.0, gt=0, description="seconds between scrapes of a replica's /metrics")
-    max_requests_per_s: float = Field(200.0, gt=0, description="health-check and /metrics requests this router sends "
+    max_requests_per_s: float = Field(100.0, gt=0, description="health-check and /metrics requests this router sends "
                                       "per second over the whole fleet, at most: a fleet that would need more at "
                                       "interval_s and metrics_interval_s (3 per replica per second at the defaults) "
-                                      "is checked less often, every replica alike (1,024 replicas: every 11 s; "
-                                      "past the budget /v1/models is read with every 5th check only)")
+                                      "is checked less often, every replica alike (1,024 replicas: every 22 s; "
+                                      "past the budget /v1/models is read with every 5th check only); each costs "
+                                      "the router about 0.4 ms of CPU")
     eject_after: int = Field(5, ge=1, description="requests in a row that fail on a replica (no answer, 5xx, a broken "
                              "or silent stream) take it out of rotation, however its /health answers")
     eject_s: float = Field(30.0, gt=0, description="how long such a replica stays out; doubled each time it is taken "

@@ -92,11 +92,11 @@ def pool_of(n, **health):
 
 
 def test_a_fleet_within_the_control_budget_is_checked_at_the_configured_intervals():
-    assert pool_of(60).spacing() == 1.0  # 60 x 3 requests a second, within 200
+    assert pool_of(30).spacing() == 1.0  # 30 x 3 requests a second, within 100
 
 
 def test_a_larger_fleet_is_checked_less_often_so_the_router_sends_at_most_its_budget():
     pool = pool_of(1024)
     rate = len(pool.replicas) * (1.2 / pool.health.interval_s + 1.0 / pool.health.metrics_interval_s)
-    assert rate / pool.spacing() == pytest.approx(200.0)  # health checks (a fifth of them with /v1/models) and scrapes
+    assert rate / pool.spacing() == pytest.approx(100.0)  # health checks (a fifth of them with /v1/models) and scrapes
     assert pool_of(1024, max_requests_per_s=1000).spacing() < pool.spacing()

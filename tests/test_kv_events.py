@@ -254,6 +254,21 @@ def test_one_router_consumes_a_replicas_events_and_another_takes_over_when_it_di
             assert predicted(r) == cached(r) > 0
 
 
+def test_routers_that_join_later_take_their_share_of_the_event_leases(cluster, model_root, redis_proc):
+    sims = [events_sim(cluster, model_root) for _ in range(4)]
+    shared = ("--index", f"redis://127.0.0.1:{redis_proc.port}/0", "--set", "kv_events.lease_s=1")
+    first = cluster.router(sims, *shared)
+    wait_until(lambda: all(lease_holders([first], s) == [first] for s in sims), 10)  # alone: every lease
+    routers = [first] + [cluster.router(sims, *shared) for _ in range(3)]
+
+    def held():
+        return [sum(lease_holders([rt], s) == [rt] for s in sims) for rt in routers]
+    wait_until(lambda: held() == [1, 1, 1, 1], 15)
+    time.sleep(2.0)  # and it stays so: no lease goes back and forth
+    assert held() == [1, 1, 1, 1]
+    assert all(len(lease_holders(routers, s)) == 1 for s in sims)
+
+
 # -- the subscriber against a real ZMQ publisher --------------------------------------------------
 
 

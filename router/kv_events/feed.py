@@ -64,6 +64,7 @@ class ReplicaFeed:
         self.subscribers: list[Subscriber] = []
         self.task: asyncio.Task[None] | None = None
         self.lease_held = False
+        self.shared = False  # its events go through a lease (counted for the fair share)
         self.lags: deque[float] = deque(maxlen=_LAGS)
         self.events: dict[str, int] = {}
         self.blocks: dict[str, int] = {}
@@ -102,12 +103,15 @@ class EventFeed:
         self._feeds = {r.name: ReplicaFeed(r) for r in pool}
         self._ctx: zmq.asyncio.Context | None = None
         self._background = Background()
+        self._routers = 1  # routers taking part in the leases, as last counted
         events.subscribe(self._on_event)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
+        if self.lease is not None:
+            self._background.spawn(self._count_routers())
         for f in self._feeds.values():
             if f.replica.ready:
                 self._ensure(f)
@@ -244,18 +248,48 @@ class EventFeed:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _consume_shared(self, f: ReplicaFeed) -> None:
-        """With a Redis index: consume while holding the replica's lease, else read what the holder applies."""
+    async def _count_routers(self) -> None:
+        """Every lease period: say this router takes part in the leases, and count those that do."""
         assert self.lease is not None
         while True:
             try:
-                if await self.lease.acquire(f.name):
-                    await self._hold(f)
+                async with asyncio.timeout(self.cfg.lease_s):
+                    self._routers = max(1, await self.lease.routers())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                pass  # Redis down: the leases say so in their own loops; keep the last count
+            await asyncio.sleep(self.cfg.lease_s)
+
+    def _fair_share(self) -> int:
+        """Leases this router should hold: the replicas whose events go through leases, over the routers."""
+        shared = sum(1 for f in self._feeds.values() if f.shared)
+        return max(1, -(-shared // self._routers))
+
+    async def _consume_shared(self, f: ReplicaFeed) -> None:
+        """With a Redis index: consume while holding the replica's lease, else read what the holder applies.
+
+        A free lease is taken by a router below its fair share, or by any router once it has been free for half
+        a lease period (so no replica waits on a miscount, e.g. a router that died and is still counted); the
+        leases a router holds beyond its share are handed on at their next renewal, except one it took that way."""
+        assert self.lease is not None
+        f.shared = True
+        free_since: float | None = None
+        while True:
+            try:
+                now = time.monotonic()
+                # free for half a lease period: the routers below their share had two chances to take it
+                overdue = free_since is not None and now - free_since >= self.cfg.lease_s / 2
+                if (len(self.lease.held) < self._fair_share() or overdue) and await self.lease.acquire(f.name):
+                    free_since = None
+                    await self._hold(f, keep=overdue)
                 else:
                     holder = await self.lease.holder_of(f.name)
                     if holder is not None:
+                        free_since = None
                         self._set_mode(f, "precise", f"events applied by router {holder}")
                     else:
+                        free_since = free_since if free_since is not None else now
                         self._set_mode(f, "approximate", "no router holds its event lease yet")
             except asyncio.CancelledError:
                 raise
@@ -264,8 +298,9 @@ class EventFeed:
                             extra={"replica": f.name})
             await asyncio.sleep(self.cfg.lease_s / 3)
 
-    async def _hold(self, f: ReplicaFeed) -> None:
-        """Consume the replica's events from where the previous holder stopped, while the lease renews."""
+    async def _hold(self, f: ReplicaFeed, keep: bool = False) -> None:
+        """Consume the replica's events from where the previous holder stopped, while the lease renews, and
+        until this router holds more than its fair share (unless ``keep``)."""
         assert self.lease is not None
         lease = self.lease
         f.lease_held = True
@@ -287,6 +322,11 @@ class EventFeed:
                     return
                 if not await lease.renew(f.name):
                     raise LeaseLost()
+                if not keep and self._beyond_share(f.name):
+                    await lease.release(f.name)
+                    log.info("replica %s: event lease handed on (this router holds more than its share of %d)",
+                             f.name, self._fair_share(), extra={"replica": f.name})
+                    return
         except LeaseLost:
             log.warning("replica %s: event lease lost; another router consumes its events now", f.name,
                         extra={"replica": f.name})
@@ -297,6 +337,13 @@ class EventFeed:
             self.index.drop_sources(f.name)
             f.lease_held = False
             self.metrics.kv_event_lease.labels(f.name).set(0)
+
+    def _beyond_share(self, replica: str) -> bool:
+        """Whether this lease is one of those this router holds beyond its share (the last ones by name)."""
+        assert self.lease is not None
+        held = sorted(self.lease.held)
+        fair = self._fair_share()
+        return len(held) > fair and replica not in held[:fair]
 
     def _subscriber(self, f: ReplicaFeed, ep: Endpoints) -> Subscriber:
         assert self._ctx is not None

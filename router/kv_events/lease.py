@@ -9,6 +9,12 @@ router takes it within two lease periods, loads the map and replays from the nex
 no batch is lost as long as the replica's replay buffer still holds it, and applying a batch twice
 changes nothing.
 
+The leases are shared out: each router says every lease period that it takes part
+(``NS:{NS:events}:routers``), takes a free lease only while it holds fewer than its fair share (the
+replicas with events over the routers taking part, rounded up), or once it has been free for half a
+lease period, and hands on, at their next renewal, the leases it holds beyond that share. So the
+first router up does not keep every replica's events when others join.
+
 Keys (one hash tag per replica, so one slot in Redis Cluster): ``NS:events:{REPLICA}:lease``
 (holder id), ``...:seq`` (rank -> last applied sequence number), ``...:map:RANK`` (block hash ->
 entry, msgpack).
@@ -19,6 +25,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import time
 from typing import Any, Iterable
 
 import msgspec
@@ -48,6 +55,16 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+# Say this router takes part, forget routers that stopped saying so, count them. KEYS[1] the routers' sorted
+# set; ARGV now (ms), time to live (ms), holder id.
+_PRESENT = """
+local now = tonumber(ARGV[1])
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return redis.call('ZCARD', KEYS[1])
+"""
+
 _encode = msgspec.msgpack.encode
 _decode = msgspec.msgpack.decode
 
@@ -65,6 +82,7 @@ class Lease:
         self._renew = client.script(_RENEW)
         self._save = client.script(_SAVE)
         self._release = client.script(_RELEASE)
+        self._present = client.script(_PRESENT)
         self._held: set[str] = set()
 
     def _key(self, replica: str, what: str) -> str:
@@ -114,6 +132,21 @@ class Lease:
     async def forget(self, replica: str, ranks: Iterable[int]) -> None:
         """The replica restarted: its positions and maps mean nothing now."""
         await self.client.execute("DEL", self._key(replica, "seq"), *(self._key(replica, f"map:{r}") for r in ranks))
+
+    @property
+    def held(self) -> frozenset[str]:
+        return frozenset(self._held)
+
+    async def routers(self) -> int:
+        """Say that this router takes part (for three lease periods), and count the routers that do."""
+        now = int(time.time() * 1000)
+        return int(await self.client.evalsha(self._present, [self.keys.lease_routers()],
+                                             [now, 3 * self.ms, self.holder]))
+
+    async def release(self, replica: str) -> None:
+        """Give up one lease: another router takes it within a third of a lease period."""
+        self._held.discard(replica)
+        await self.client.evalsha(self._release, [self._key(replica, "lease")], [self.holder])
 
     async def close(self) -> None:
         """Give up every lease held (another router takes over at once)."""

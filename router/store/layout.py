@@ -53,6 +53,10 @@ class Layout:
     def lease(self, replica: str, what: str) -> str:
         return f"{self.ns}:events:{{{_tag(replica)}}}:{what}"
 
+    def lease_routers(self) -> str:
+        """The routers taking part in the leases, scored by when they last said so (for a fair share each)."""
+        return f"{self.ns}:{{{_tag(self.ns)}:events}}:routers"
+
     # the shared load picture (router.shared_load): one slot
     def load_routers(self) -> str:
         """The routers publishing load, scored by when they last did."""
