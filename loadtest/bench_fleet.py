@@ -8,7 +8,8 @@ consecutive ports, serving the tiny model's tokenizer as their root, as a new us
 Each router is started in front of them with nothing but the replica list (kvroute: a YAML file of
 their URLs); ``kvroute-redis`` adds a Redis index (a redis-server started for it), ``kvroute-redis-4`` runs
 four instances on one Redis, sharing their index and load, with the client's connections spread over
-them. The run measures, router by router, on the same request sequence:
+them; ``kvroute-cluster`` and ``kvroute-cluster-4`` the same on a Redis Cluster (3 masters, 3 replicas,
+started for it). The run measures, router by router, on the same request sequence:
 
 - time until the router reports every replica ready (kvroute's ``/ready`` count; other routers: their
   first answered request; with four instances, until the last one is);
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench_overhead import cpu_seconds, pct, tree_cpu_seconds
-from .cluster import HTTP, Proc, free_port, free_ports, redis_server, simulator, wait_redis
+from .cluster import HTTP, Proc, RedisCluster, free_port, free_ports, redis_server, simulator, wait_redis
 from .h1client import H1Connection
 from .load import VOCABULARIES, words
 from .tiny_model import write_tokenizer
@@ -171,26 +172,36 @@ def decision_quantiles(proc: Proc) -> tuple[float | None, float | None]:
 
 
 # What each name in --routers runs: (router, instances, shared Redis index)
-SETUPS: dict[str, tuple[str, int, bool]] = {
-    "kvroute": ("kvroute", 1, False),
-    "kvroute-redis": ("kvroute", 1, True),
-    "kvroute-redis-4": ("kvroute", 4, True),
-    "sglang-router": ("sglang-router", 1, False),
-    "vllm-router": ("vllm-router", 1, False),
+# setup -> (router, instances, shared store: None, "redis" or "redis-cluster")
+SETUPS: dict[str, tuple[str, int, str | None]] = {
+    "kvroute": ("kvroute", 1, None),
+    "kvroute-redis": ("kvroute", 1, "redis"),
+    "kvroute-redis-4": ("kvroute", 4, "redis"),
+    "kvroute-cluster": ("kvroute", 1, "redis-cluster"),
+    "kvroute-cluster-4": ("kvroute", 4, "redis-cluster"),
+    "sglang-router": ("sglang-router", 1, None),
+    "vllm-router": ("vllm-router", 1, None),
 }
 
 
 def measure(setup: str, urls: list[str], bodies: list[bytes], args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     kind, instances, shared = SETUPS[setup]
     redis: Proc | None = None
+    cluster: RedisCluster | None = None
+    store: str | None = None
     procs: list[Proc] = []
     try:
-        if shared:
+        if shared == "redis":
             redis = redis_server(log_dir=logs).start()
             wait_redis(redis)
+            store = f"redis://127.0.0.1:{redis.port}/0"
+        elif shared == "redis-cluster":
+            work = logs / f"cluster-{setup}-{len(urls)}"
+            work.mkdir()
+            cluster = RedisCluster(work).start()
+            store = cluster.url
         started = time.monotonic()
-        procs = [start_router(kind, urls, logs, f"redis://127.0.0.1:{redis.port}/0" if redis else None, args.set)
-                 for _ in range(instances)]
+        procs = [start_router(kind, urls, logs, store, args.set) for _ in range(instances)]
         for proc in procs:
             wait_ready(proc, kind, len(urls), args.ready_timeout_s, bodies[0])
         ready_s = time.monotonic() - started
@@ -220,6 +231,8 @@ def measure(setup: str, urls: list[str], bodies: list[bytes], args: argparse.Nam
             proc.stop()
         if redis is not None:
             redis.stop()
+        if cluster is not None:
+            cluster.stop()
 
 
 def markdown(rows: list[dict[str, Any]], command: str) -> str:
