@@ -38,6 +38,7 @@ from .index.fallback import FallbackIndex
 from .index.memory import MemoryIndex
 from .index.precise import PreciseIndex
 from .index.redis import RedisIndex
+from .shared_conversations import SharedConversations
 from .shared_load import SharedLoad, new_host_id
 from .kv_events.feed import EventFeed
 from .kv_events.lease import Lease
@@ -99,15 +100,22 @@ class Gateway:
                 if self.store is not None:  # one consumer per replica for every router on this Redis
                     lease = Lease(self.store, config.kv_events.lease_s)
                 self.feed = EventFeed(self.pool, index, keys, config.kv_events, self.metrics, self.events, lease)
+        conversations = Conversations(config.conversations.window_s, config.conversations.max_tracked,
+                                      journal=self.shared_load is not None) if keys else None
         self.admission = Admission(self.policy, self.load, self.pool.views, self.pool.view_of, config.queue,
                                    self.metrics, self.events)
         self.router = Router(self.pool, self.load, self.policy, self.admission,
                              build_sessions(config.index, config.sessions, self.metrics, share, self.load, self.store),
                              self.metrics, self.events,
                              index=index, keys=keys,
-                             conversations=Conversations(config.conversations.window_s,
-                                                         config.conversations.max_tracked) if keys else None,
+                             conversations=conversations,
                              candidates=Candidates(self.pool, config.candidates, index) if index else None)
+        # the other routers hear what this one answered and continued (router.shared_conversations)
+        self.shared_conversations: SharedConversations | None = None
+        if conversations is not None and self.shared_load is not None:
+            assert self.store is not None
+            self.shared_conversations = SharedConversations(self.store, conversations, self.load,
+                                                            config.shared_load, self.shared_load.id)
         self.forwarder = Forwarder(self.router, self.pool, config.proxy, self.metrics, config.client.send_timeout_s)
         self.membership = Membership(config, self.pool, self.store)
         self.auth = Auth(config.auth)
@@ -290,6 +298,8 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
         await gw.pool.start()
         if gw.shared_load is not None:
             await gw.shared_load.start()
+        if gw.shared_conversations is not None:
+            await gw.shared_conversations.start()
         await gw.router.start()
         if gw.feed is not None:
             await gw.feed.start()
@@ -307,6 +317,8 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
             await gw.router.close()
             if gw.shared_load is not None:
                 await gw.shared_load.close()
+            if gw.shared_conversations is not None:
+                await gw.shared_conversations.close()
             await gw.pool.stop()
             if gw.store is not None:
                 await gw.store.close()

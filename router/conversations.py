@@ -18,14 +18,15 @@ the same last whole block (the question fits in the block after it) without grow
 already draws those to their prefix.
 
 Only hashes are kept, never text; the table is bounded (``max_tracked``, oldest out). Each router process
-(each worker) sees the requests it routes.
+(each worker) sees the requests it routes; with ``journal`` it also keeps what changed, for
+:mod:`router.shared_conversations` to tell the other routers, and hears what they answered and continued.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from typing import Callable, Iterable, NamedTuple, Sequence
+from collections import OrderedDict, deque
+from typing import Callable, Iterable, NamedTuple, Sequence, Union
 
 PRIOR_ENDED = 10.0  # until that many tails grew, the share stays well below 1
 DECAY = 0.999  # the share follows the last few thousand outcomes
@@ -40,9 +41,24 @@ class Continuation(NamedTuple):
     grows: bool  # the prompt goes on for a whole block or more past it: a conversation's next turn
 
 
+class Answered(NamedTuple):
+    replica: str
+    tails: tuple[int, ...]
+    at: float  # wall-clock time (s)
+
+
+class Resumed(NamedTuple):
+    tail: int
+    grows: bool
+
+
+Change = Union[Answered, Resumed]
+JOURNAL_MAX = 4096  # changes kept for the other routers between two syncs; older ones are not told
+
+
 class Conversations:
     def __init__(self, window_s: float = 60.0, max_tracked: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, journal: bool = False) -> None:
         self.window_s = window_s
         self.max_tracked = max_tracked
         self._clock = clock
@@ -50,6 +66,7 @@ class Conversations:
         self._waiting: dict[str, int] = {}  # replica -> its tails
         self._grew = 0.0  # tails whose next turn grew the history (decayed)
         self._ended = 0.0  # tails that ended, or came back without growing (decayed)
+        self._journal: deque[Change] | None = deque(maxlen=JOURNAL_MAX) if journal else None
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -107,15 +124,44 @@ class Conversations:
 
     def resume(self, found: Continuation) -> None:
         """A routed request continues what waited at ``found.tail``: a conversation if it grows."""
-        got = self._tails.pop(found.tail, None)
+        if self._journal is not None:
+            self._journal.append(Resumed(found.tail, found.grows))
+        self._resumed(found.tail, found.grows)
+
+    def _resumed(self, tail: int, grows: bool) -> None:
+        got = self._tails.pop(tail, None)
         if got is None:
             return
         self._waiting[got[0]] -= 1
-        self._learn(found.grows)
+        self._learn(grows)
 
     def answered(self, replica: str, tails: Iterable[int]) -> None:
         """``replica`` answered prompts ending in ``tails``: their conversations wait there now."""
-        now = self._clock()
+        tails = tuple(tails)
+        if self._journal is not None and tails:
+            self._journal.append(Answered(replica, tails, time.time()))
+        self._add(replica, tails, self._clock())
+
+    # -- what the other routers did (router.shared_conversations) --------------------------------
+
+    def take_journal(self) -> list[Change]:
+        """What this router answered and continued since the last call, oldest first."""
+        if not self._journal:
+            return []
+        out = list(self._journal)
+        self._journal.clear()
+        return out
+
+    def heard(self, change: Change) -> None:
+        """Another router answered (a conversation waits now) or continued (it waits no longer)."""
+        if isinstance(change, Resumed):
+            self._resumed(change.tail, change.grows)
+            return
+        age = max(0.0, time.time() - change.at)  # hosts' clocks differ a little: not in the future
+        if age < self.window_s:
+            self._add(change.replica, change.tails, self._clock() - age)
+
+    def _add(self, replica: str, tails: Iterable[int], now: float) -> None:
         for tail in tails:
             old = self._tails.pop(tail, None)
             if old is not None:

@@ -1,6 +1,7 @@
 """Conversations between turns: which replica should expect which requests back."""
 
 import random
+import time
 
 import pytest
 
@@ -261,3 +262,61 @@ def test_requests_expected_back_can_be_asked_for_a_few_replicas_only():
     c.answered("a", [1])
     c.answered("b", [2])
     assert set(c.expected(among=["b", "z"])) == {"b"}
+
+
+# -- across routers (router.shared_conversations) ---------------------------------------------------
+
+
+def test_what_another_router_answered_waits_here_too_and_what_it_continued_waits_no_more():
+    here, there = Conversations(journal=True), Conversations(journal=True)
+    there.answered("a", [3])
+    for change in there.take_journal():
+        here.heard(change)
+    assert here.waiting() == {"a": 1}
+    found = there.find([chain(1, 3, 4)])  # the next turn came to the other router
+    there.resume(found)
+    for change in there.take_journal():
+        here.heard(change)
+    assert here.waiting() == {} and here.describe()["next_turns"] == pytest.approx(1)
+
+
+def test_an_answer_heard_after_the_window_is_not_kept():
+    from router.conversations import Answered
+    c = Conversations(window_s=60)
+    c.heard(Answered("a", (3,), time.time() - 61))
+    assert c.waiting() == {}
+
+
+def test_without_a_journal_nothing_is_kept_for_other_routers():
+    c = Conversations()
+    c.answered("a", [3])
+    assert c.take_journal() == []
+
+
+def test_entries_of_the_shared_stream_round_trip_and_anything_else_is_refused():
+    from router.conversations import Answered, Resumed
+    from router.shared_conversations import decode, encode
+    for change in (Answered("replica-é", (1, 2**64 - 1), 1234.5), Resumed(7, True), Resumed(8, False)):
+        assert decode(encode(change)) == change
+    for raw in (b"", b"x", b"c\x01", b"a" + b"\x00" * 10, encode(Answered("r", (1,), 1.0))[:-3], b"\xff" * 40):
+        assert decode(raw) is None
+
+
+def test_a_conversations_next_turn_through_another_router_is_known_to_both(cluster, tiny_root, shared_url):
+    sim = cluster.sim(*FAST, "--root", tiny_root)
+    config = {"replicas": [{"name": "a", "url": sim.url, "block_size": 16}], "index": {"backend": shared_url}}
+    one, two = cluster.router([], config=config), cluster.router([], config=config)
+    for rt in (one, two):
+        wait_keyed_by_tokens(rt, 10)
+
+    def seen(rt):
+        return HTTP.get(rt.url + "/admin/replicas", timeout=2).json()["conversations"]
+    rng = random.Random(5)
+    history = text(rng, 47)
+    for rt in (one, two, one):  # each turn through the other router, each adds more than a block
+        history += " " + text(rng, 20)
+        complete(rt, history)
+        time.sleep(0.5)  # a user's think time: several syncs
+    for rt in (one, two):  # one conversation waits, and both saw its two next turns
+        assert seen(rt)["waiting"] == {"a": 1}, seen(rt)
+        assert seen(rt)["next_turns"] == pytest.approx(2, abs=0.01), seen(rt)

@@ -62,6 +62,10 @@ class Layout:
         """The routers publishing load, scored by when they last did."""
         return self._load + "routers"
 
+    def conversations(self) -> str:
+        """A stream of what the routers answered and continued (router.shared_conversations)."""
+        return self._load + "conversations"
+
     def load_prefix(self) -> str:
         """Followed by a router's id: its figures per replica."""
         return self._load + "r:"
