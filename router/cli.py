@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="a vLLM replica; repeat for several (replaces the file's list)")
         sp.add_argument("--policy", choices=POLICIES, help="routing policy (default: cache-aware)")
         sp.add_argument("--index", metavar="memory|redis://HOST:PORT/DB",
-                        help="prefix index: in this process (default) or shared through Redis")
+                        help="where the index and other shared state live: in this process (default), or a "
+                             "Redis or Redis Cluster shared by routers (several nodes: redis://H1:P1,H2:P2)")
         sp.add_argument("--workers", type=int, metavar="N",
                         help="worker processes sharing the port (default: 1; more need --index redis://... "
                              "with a cache-aware policy)")
