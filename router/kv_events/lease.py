@@ -5,9 +5,9 @@ it, set only if absent and expiring after ``kv_events.lease_s`` unless renewed (
 that). With each applied batch the holder stores, in the same Redis round trip and only while it
 still holds the lease, the batch's sequence number and the changes to its map from the replica's
 block hashes to the router's keys. When it stops (killed, cut off), the lease expires and another
-router takes it within two lease periods, loads the map and replays from the next sequence number:
-no batch is lost as long as the replica's replay buffer still holds it, and applying a batch twice
-changes nothing.
+router takes it within two and a half lease periods, loads the map and replays from the next
+sequence number: no batch is lost as long as the replica's replay buffer still holds it, and
+applying a batch twice changes nothing.
 
 The leases are shared out: each router says every lease period that it takes part
 (``NS:{NS:events}:routers``), takes a free lease only while it holds fewer than its fair share (the
