@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -412,6 +413,9 @@ class RouterConfig(_Model):
         return self
 
 
+_PASSWORD_IN_URL = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+
+
 class ConfigError(Exception):
     """Raised with a message that names each invalid field."""
 
@@ -425,6 +429,8 @@ def _format_validation_error(err: ValidationError, title: str = "invalid configu
         loc = ".".join(str(p) for p in ((where,) if where else ()) + tuple(e["loc"])) or "(config)"
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
+        if isinstance(got, str):
+            got = _PASSWORD_IN_URL.sub(r"\1***@", got)  # a URL's password stays out of messages and logs
         shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {repr(got)[:longest]})"
         if "api_key" in loc or "admin_key" in loc:
             shown = ""

@@ -78,6 +78,13 @@ def test_secret_values_are_not_echoed_in_errors(tmp_path):
     assert "auth.admin_key" in str(e.value)
 
 
+def test_a_password_in_a_redis_url_is_not_echoed_in_errors(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "index:\n  backend: redis://app:hunter2@redis:99999/0\n"), environ={})
+    assert "index.backend" in str(e.value) and "redis://app:***@redis:99999/0" in str(e.value)
+    assert "hunter2" not in str(e.value)
+
+
 def test_unreadable_and_invalid_yaml_files(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "missing.yaml", environ={})
