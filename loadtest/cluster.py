@@ -254,14 +254,19 @@ class RedisCluster:
         return "redis://" + ",".join(f"127.0.0.1:{p.port}" for p in self.procs)
 
     def start(self, timeout: float = 30.0) -> "RedisCluster":
-        for p in self.procs:
-            p.start()
-        for p in self.procs:
-            wait_redis(p)
-        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p.port}" for p in self.procs),
-                        "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=timeout)
-        self.wait_ok(timeout)
+        """Start the nodes and join them; if that fails, every node started is stopped again."""
+        try:
+            for p in self.procs:
+                p.start()
+            for p in self.procs:
+                wait_redis(p)
+            subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p.port}" for p in self.procs),
+                            "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=timeout)
+            self.wait_ok(timeout)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def cli(self, port: int, *args: str, timeout: float = 5.0) -> str:
