@@ -85,13 +85,18 @@ def test_prompts_that_come_back_without_growing_are_not_counted_as_conversations
     assert c.expected() == {}
 
 
-def test_the_asking_request_does_not_count_against_the_replica_its_own_conversation_waits_at():
+def waiting_at_a_and_b() -> Conversations:
+    """One conversation came back (so some are expected back), one now waits at "a", one at "b"."""
     c = Conversations()
     c.answered("x", [100])
     come_back(c, 100)
     c.answered("a", [1])
     c.answered("b", [2])
-    assert set(c.expected(own="a")) == {"b"}
+    return c
+
+
+def test_the_asking_request_does_not_count_against_the_replica_its_own_conversation_waits_at():
+    assert set(waiting_at_a_and_b().expected(own="a")) == {"b"}
 
 
 def test_one_shot_prompts_teach_that_nothing_comes_back():
@@ -256,12 +261,7 @@ def test_a_conversations_turns_that_grow_its_history_are_counted(cluster, tiny_r
 
 
 def test_requests_expected_back_can_be_asked_for_a_few_replicas_only():
-    c = Conversations()
-    c.answered("x", [100])
-    come_back(c, 100)
-    c.answered("a", [1])
-    c.answered("b", [2])
-    assert set(c.expected(among=["b", "z"])) == {"b"}
+    assert set(waiting_at_a_and_b().expected(among=["b", "z"])) == {"b"}
 
 
 # -- across routers (router.shared_conversations) ---------------------------------------------------

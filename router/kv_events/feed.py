@@ -64,7 +64,6 @@ class ReplicaFeed:
         self.subscribers: list[Subscriber] = []
         self.task: asyncio.Task[None] | None = None
         self.lease_held = False
-        self.shared = False  # its events go through a lease (counted for the fair share)
         self.lags: deque[float] = deque(maxlen=_LAGS)
         self.events: dict[str, int] = {}
         self.blocks: dict[str, int] = {}
@@ -104,6 +103,7 @@ class EventFeed:
         self._ctx: zmq.asyncio.Context | None = None
         self._background = Background()
         self._routers = 1  # routers taking part in the leases, as last counted
+        self._leased: set[str] = set()  # replicas whose events go through a lease (for the fair share)
         events.subscribe(self._on_event)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -144,6 +144,7 @@ class EventFeed:
             self._background.spawn(self._restart(f))
         elif isinstance(event, ReplicaRemoved):
             del self._feeds[event.replica]
+            self._leased.discard(event.replica)
             self._background.spawn(self._stop(f, quiet=True))
 
     def _ensure(self, f: ReplicaFeed) -> None:
@@ -263,8 +264,7 @@ class EventFeed:
 
     def _fair_share(self) -> int:
         """Leases this router should hold: the replicas whose events go through leases, over the routers."""
-        shared = sum(1 for f in self._feeds.values() if f.shared)
-        return max(1, -(-shared // self._routers))
+        return max(1, -(-len(self._leased) // self._routers))
 
     async def _consume_shared(self, f: ReplicaFeed) -> None:
         """With a Redis index: consume while holding the replica's lease, else read what the holder applies.
@@ -273,14 +273,14 @@ class EventFeed:
         a lease period (so no replica waits on a miscount, e.g. a router that died and is still counted); the
         leases a router holds beyond its share are handed on at their next renewal, except one it took that way."""
         assert self.lease is not None
-        f.shared = True
+        self._leased.add(f.name)
         free_since: float | None = None
         while True:
             try:
                 now = time.monotonic()
                 # free for half a lease period: the routers below their share had two chances to take it
                 overdue = free_since is not None and now - free_since >= self.cfg.lease_s / 2
-                if (len(self.lease.held) < self._fair_share() or overdue) and await self.lease.acquire(f.name):
+                if (self.lease.holding < self._fair_share() or overdue) and await self.lease.acquire(f.name):
                     free_since = None
                     await self._hold(f, keep=overdue)
                 else:
@@ -341,9 +341,8 @@ class EventFeed:
     def _beyond_share(self, replica: str) -> bool:
         """Whether this lease is one of those this router holds beyond its share (the last ones by name)."""
         assert self.lease is not None
-        held = sorted(self.lease.held)
         fair = self._fair_share()
-        return len(held) > fair and replica not in held[:fair]
+        return self.lease.holding > fair and replica not in sorted(self.lease.held)[:fair]
 
     def _subscriber(self, f: ReplicaFeed, ep: Endpoints) -> Subscriber:
         assert self._ctx is not None

@@ -137,6 +137,11 @@ class Lease:
     def held(self) -> frozenset[str]:
         return frozenset(self._held)
 
+    @property
+    def holding(self) -> int:
+        """How many leases this router holds (without copying their names)."""
+        return len(self._held)
+
     async def routers(self) -> int:
         """Say that this router takes part (for three lease periods), and count the routers that do."""
         now = int(time.time() * 1000)

@@ -17,7 +17,6 @@ __all__ = ["Store", "Redis", "Layout", "LUA_HASH_CHANGES", "ConnectionLost", "Re
 
 class Store:
     def __init__(self, url: str, namespace: str = "kvroute", connect_timeout: float = 1.0) -> None:
-        self.url = url
         self.client = Redis(url, connect_timeout=connect_timeout)
         self.keys = Layout(namespace)
 
