@@ -612,7 +612,7 @@ class VLLMSimulator:
         """The prompt's token ids: the model's tokenizer (chat rendered with its template) if there is one,
         else one id per --bytes-per-token bytes of the text."""
         if self.tokenizer is not None:
-            prompts = prompts_of("/v1/chat/completions" if chat else "/v1/completions", req, self.tokenizer)
+            prompts, _ = prompts_of("/v1/chat/completions" if chat else "/v1/completions", req, self.tokenizer)
             if prompts and isinstance(prompts[0], list) and prompts[0]:
                 return prompts[0]
         return byte_token_ids(prompt_text(req, chat).encode(), self.bytes_per_token)

@@ -23,8 +23,21 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
          "assistant the a of and to in is you that it for").split()
 VOCAB_SIZE = 1024
 MAX_POSITIONS = 32768  # long enough for generations that outlast a scheduler stall in the tests
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# Renders what agent traffic sends (tools, tool calls and results, reasoning, documents, enable_thinking) the
+# way public tool-calling templates do; plain chats render as "<s><|role|>\ncontent</s>\n...<|assistant|>\n".
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|tools|>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</s>\n{% endif %}"
+    "{% if documents %}<|documents|>\n{% for d in documents %}{{ d | tojson }}\n{% endfor %}</s>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}{% if m.name is defined and m.name %}:{{ m.name }}{% endif %}|>\n"
+    "{% if m.tool_call_id is defined and m.tool_call_id %}[{{ m.tool_call_id }}] {% endif %}"
+    "{% if m.reasoning_content is defined and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m['content'] }}"
+    "{% if m.tool_calls is defined and m.tool_calls %}{% for c in m.tool_calls %}<tool_call>"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}{% endif %}"
+    "</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>\n{% endif %}{% endif %}")
 
 
 def corpus(seed: int = 0, lines: int = 4000) -> list[str]:

@@ -23,6 +23,9 @@ from pathlib import Path
 from .cluster import ROOT, Proc, free_port
 
 MODEL_NAME = "tiny"
+# the render endpoints (/v1/chat/completions/render: the prompt's token ids as the replica computes them), and
+# tool calling, so that requests with tools are accepted as clients send them (tool_choice "auto")
+RENDER_ARGS = ("--enable-scale-out", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 
 
 def setup() -> Path:

@@ -91,7 +91,7 @@ class Gateway:
         keys: PromptKeys | None = None
         self.feed: EventFeed | None = None
         if self.policy.uses_prefix:
-            keys = PromptKeys(config.prefix, self.events)
+            keys = PromptKeys(config.prefix, self.events, self.metrics)
             base: PrefixIndex = MemoryIndex() if self.store is None else FallbackIndex(
                 RedisIndex(self.store, config.index.timeout_s), MemoryIndex(), config.index, self.metrics)
             index = PreciseIndex(base, config.kv_events.provisional_ttl_s, config.kv_events.slow_medium_weight)

@@ -26,6 +26,7 @@ from typing import Any
 from .background import Background
 from .config import ConfigError, PrefixConfig
 from .events import Event, EventBus, ReplicaModels
+from .metrics import Metrics
 from .prefix import PromptKey, key_for
 from .tokenizer import LocalTokenizer, TokenizerError, find_local
 
@@ -60,8 +61,10 @@ class _Calibration:
 
 
 class PromptKeys:
-    def __init__(self, cfg: PrefixConfig, events: EventBus | None = None) -> None:
+    def __init__(self, cfg: PrefixConfig, events: EventBus | None = None, metrics: Metrics | None = None) -> None:
         self.cfg = cfg
+        self._metrics = metrics
+        self.keyed: dict[tuple[str, str], int] = {}  # prompts keyed, by (mode, reason)
         self.auto = cfg.tokenizer == "auto"
         fixed = cfg.tokenizer not in (None, "auto", "none")
         self._default = _load("prefix.tokenizer", cfg.tokenizer) if fixed and cfg.tokenizer else None
@@ -94,11 +97,28 @@ class PromptKeys:
         bpt = self.bytes_per_token(model)
         try:
             if tokenizer is not None and body_size > _INLINE_TOKENIZE_BYTES:
-                return await asyncio.to_thread(key_for, path, payload, model, bpt, tokenizer)
-            return key_for(path, payload, model, bpt, tokenizer)
+                key = await asyncio.to_thread(key_for, path, payload, model, bpt, tokenizer)
+            else:
+                key = key_for(path, payload, model, bpt, tokenizer)
         except RecursionError:  # content nested past what can be walked: the replica judges it
             log.info("prompt of a %s request nested too deeply to key; routing it by load", path)
+            self._count("none", "too_deep")
             return None
+        if key is None:
+            self._count("none", "no_prompt")
+        elif key.inexact is not None:
+            self._count("bytes", key.inexact)
+        elif key.in_bytes:
+            self._count("bytes", "no_tokenizer")
+        else:
+            self._count("tokens", "")
+        return key
+
+    def _count(self, mode: str, reason: str) -> None:
+        """How prompts were keyed (a fixed set of labels: modes, and the reasons of render.REASONS and here)."""
+        self.keyed[(mode, reason)] = self.keyed.get((mode, reason), 0) + 1
+        if self._metrics is not None:
+            self._metrics.child(self._metrics.prompt_keys, mode, reason).inc()
 
     # -- learning bytes per token --------------------------------------------------------------
 

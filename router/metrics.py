@@ -87,6 +87,10 @@ class Metrics:
         self.prompt_tokens = Counter(
             "kvroute_prompt_tokens", "Prompt tokens of routed requests (estimated in byte mode).", ["model"],
             registry=r)
+        self.prompt_keys = Counter(
+            "kvroute_prompt_keys", "Prompts keyed, by mode: tokens (the ids the replica computes), bytes (the model "
+            "has no tokenizer here, or this request's ids cannot be known: see reason), none (nothing to key).",
+            ["mode", "reason"], registry=r)
         self.cached_tokens = Counter(
             "kvroute_predicted_cached_tokens", "Prompt tokens predicted to be in the chosen replica's prefix cache.",
             ["model"], registry=r)

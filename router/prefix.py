@@ -13,10 +13,14 @@ prompt text is never stored or logged.
 
 Canonical forms:
 
-- completions: the prompt string (UTF-8); a list of token ids is keyed as ids; a list of
-  prompts gives one chain per prompt.
-- chat: the messages in order, each as its role and its content parts (text, image URLs, tool
-  calls, tool call ids, names), so that the messages of turn n are a prefix of those of turn n+1.
+- with the model's tokenizer: the token ids vLLM computes (chat rendered as :mod:`router.render`
+  says, completions text encoded with its special tokens); a request whose ids cannot be known
+  here is keyed by bytes as below, with the reason in :attr:`PromptKey.inexact`.
+- completions in byte mode: the prompt string (UTF-8); a list of token ids is keyed as ids; a list
+  of prompts gives one chain per prompt.
+- chat in byte mode: the messages in order, each as its role and its content parts (text, image
+  URLs, tool calls, tool call ids, names), so that the messages of turn n are a prefix of those of
+  turn n+1.
 """
 
 from __future__ import annotations
@@ -128,6 +132,7 @@ class PromptKey:
     seed: int
     prompts: list[bytes | list[int]]
     bytes_per_token: float
+    inexact: str | None = None  # why a request whose model has a tokenizer is keyed by bytes (render.REASONS)
     _chains: dict[int, list[list[int]]] = field(default_factory=dict)
 
     @property
@@ -154,46 +159,65 @@ class PromptKey:
         return got
 
 
-def prompts_of(path: str, payload: dict[str, Any],
-               tokenizer: "LocalTokenizer | None" = None) -> list[bytes | list[int]] | None:
-    """The canonical prompt(s) of a request body in byte/id form, or None if it has none to key.
+def _encode_completion(tokenizer: "LocalTokenizer | None", text: str, special: bool) -> bytes | list[int]:
+    return tokenizer.encode(text, add_special_tokens=special) if tokenizer is not None else _text(text)
 
-    With a tokenizer, text becomes token ids: chat rendered with the model's template (then no
-    special tokens added), completions with the tokenizer's special tokens, as vLLM does.
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                          for t in value)
+
+
+def prompts_of(path: str, payload: dict[str, Any],
+               tokenizer: "LocalTokenizer | None" = None) -> tuple[list[bytes | list[int]] | None, str | None]:
+    """The canonical prompt(s) of a request body in byte/id form (None if it has none to key), and why
+    they are bytes though a tokenizer was given (one of :data:`router.render.REASONS`), else None.
+
+    With a tokenizer, text becomes the token ids vLLM computes: chat rendered as vLLM renders it
+    (:mod:`router.render`), completions encoded with the special tokens unless ``add_special_tokens``
+    is false.
     """
     if path == "/v1/chat/completions":
         messages = payload.get("messages")
         if not isinstance(messages, list):
-            return None
-        if tokenizer is not None and tokenizer.has_chat_template:
-            try:
-                return [tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False)]
-            except Exception:  # a template that rejects these messages: key the bytes instead
-                pass
-        return [chat_bytes(messages)]
+            return None, None
+        if tokenizer is None:
+            return [chat_bytes(messages)], None
+        from .render import Unkeyable
+
+        try:
+            return [tokenizer.chat_ids(payload)], None
+        except Unkeyable as e:  # the replica's ids cannot be known here: the bytes still group alike requests
+            return [chat_bytes(messages)], e.reason
     if path == "/v1/completions":
         prompt = payload.get("prompt")
+        if tokenizer is not None:
+            if payload.get("prompt_embeds") is not None:
+                return ([_text(prompt)] if isinstance(prompt, str) else None), "prompt_embeds"
+            if payload.get("truncate_prompt_tokens") is not None:
+                return prompts_of(path, payload)[0], "truncated"
+        special = payload.get("add_special_tokens", True) is not False
         if isinstance(prompt, str):
-            return [tokenizer.encode(prompt) if tokenizer is not None else _text(prompt)]
+            return [_encode_completion(tokenizer, prompt, special)], None
+        if _is_ids(prompt):
+            return [list(prompt)], None
         if isinstance(prompt, list) and prompt:
-            if all(isinstance(t, int) for t in prompt):
-                return [list(prompt)]
             out: list[bytes | list[int]] = []
             for p in prompt:
                 if isinstance(p, str):
-                    out.append(tokenizer.encode(p) if tokenizer is not None else _text(p))
-                elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+                    out.append(_encode_completion(tokenizer, p, special))
+                elif _is_ids(p):
                     out.append(list(p))
-            return out or None
-    return None
+            return out or None, None
+    return None, None
 
 
 def key_for(path: str, payload: dict[str, Any], model: str, bytes_per_token: float = 4,
             tokenizer: "LocalTokenizer | None" = None) -> PromptKey | None:
-    prompts = prompts_of(path, payload, tokenizer)
+    prompts, inexact = prompts_of(path, payload, tokenizer)
     if not prompts:
         return None
     lora = payload.get("lora_request") or payload.get("lora_name")
     salt = payload.get("cache_salt")
     seed = root_seed(model, lora if isinstance(lora, str) else None, salt if isinstance(salt, str) else None)
-    return PromptKey(model, seed, prompts, bytes_per_token)
+    return PromptKey(model, seed, prompts, bytes_per_token, inexact)

@@ -22,6 +22,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
 
+from .render import SPECIAL_TOKENS, ChatTemplate, Unkeyable, render_chat
+
 log = logging.getLogger("kvroute.tokenizer")
 
 _SEGMENT_MIN_CHARS = 256  # shorter text between added tokens is encoded each time (it is cheap)
@@ -61,29 +63,46 @@ class LocalTokenizer:
         cfg_file = folder / "tokenizer_config.json"
         if cfg_file.is_file():
             config = json.loads(cfg_file.read_text())
-        template = config.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default") or next(iter(named.values()), None)
-        jinja_file = folder / "chat_template.jinja"
-        if template is None and jinja_file.is_file():
-            template = jinja_file.read_text()
-        self.bos_token = _token_text(config.get("bos_token")) or ""
-        self.eos_token = _token_text(config.get("eos_token")) or ""
-        self._template = None
-        if isinstance(template, str):
+        self._sources = _templates(folder, config)
+        self._compiled: dict[str, ChatTemplate] = {}
+        # the named special tokens every template is given (Hugging Face's special_tokens_map)
+        self.special_tokens = {name: text for name in SPECIAL_TOKENS
+                               if (text := _token_text(config.get(name))) is not None}
+        self.bos_token = self.special_tokens.get("bos_token", "")
+        self.eos_token = self.special_tokens.get("eos_token", "")
+        if self._sources:
             try:
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
+                import jinja2  # noqa: F401
             except ImportError:
                 raise TokenizerError("a chat template needs the 'jinja2' package: pip install jinja2") from None
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            self._template = env.from_string(template)
+            for name in self._sources:  # a template that does not compile is found at start, not per request
+                try:
+                    self._template(name)
+                except Exception as e:
+                    raise TokenizerError(f"chat template {name!r} does not compile: {e}") from None
         self._segments = Segments.of(self._tok, str(file)) if segments else None
 
     @property
     def has_chat_template(self) -> bool:
-        return self._template is not None
+        return bool(self._sources)
+
+    def _template(self, name: str) -> ChatTemplate:
+        got = self._compiled.get(name)
+        if got is None:
+            got = self._compiled[name] = ChatTemplate(self._sources[name])
+        return got
+
+    def chat_template(self, tools: bool) -> ChatTemplate:
+        """The template vLLM picks: ``tool_use`` for a request with tools where there is one, else ``default``."""
+        if not self._sources:
+            raise Unkeyable("no_chat_template")
+        if len(self._sources) == 1:
+            return self._template(next(iter(self._sources)))
+        if tools and "tool_use" in self._sources:
+            return self._template("tool_use")
+        if "default" in self._sources:
+            return self._template("default")
+        raise Unkeyable("no_chat_template")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._segments is not None:
@@ -95,11 +114,17 @@ class LocalTokenizer:
     def describe(self) -> dict[str, Any]:
         return self._segments.describe() if self._segments is not None else {"segments": "off"}
 
+    def render(self, payload: dict[str, Any]) -> str:
+        """A chat completions body's prompt text, as vLLM renders it (raises :class:`Unkeyable`)."""
+        return render_chat(self.chat_template(payload.get("tools") is not None), payload, self.special_tokens)
+
+    def chat_ids(self, payload: dict[str, Any]) -> list[int]:
+        """A chat completions body's prompt token ids, as vLLM computes them (raises :class:`Unkeyable`)."""
+        return self.encode(self.render(payload), add_special_tokens=payload.get("add_special_tokens") is True)
+
     def render_chat(self, messages: Sequence[Any]) -> str:
-        if self._template is None:
-            raise TokenizerError("this tokenizer has no chat template")
-        return self._template.render(messages=list(messages), add_generation_prompt=True,
-                                     bos_token=self.bos_token, eos_token=self.eos_token)
+        """Plain messages with the generation prompt (what most requests are)."""
+        return self.render({"messages": list(messages)})
 
 
 class Segments:
@@ -194,8 +219,25 @@ class Segments:
                     "misses": self.misses, "checked_against_whole": self.checked}
 
 
-def _raise(message: str) -> None:
-    raise TokenizerError(message)
+def _templates(folder: Path, config: dict[str, Any]) -> dict[str, str]:
+    """The model's chat templates by name, read as Hugging Face reads them: the ``chat_template.jinja`` and
+    ``additional_chat_templates/*.jinja`` files first, else ``chat_template`` in ``tokenizer_config.json``."""
+    files: dict[str, str] = {}
+    if (folder / "chat_template.jinja").is_file():
+        files["default"] = (folder / "chat_template.jinja").read_text()
+    extra = folder / "additional_chat_templates"
+    if extra.is_dir():
+        for f in sorted(extra.glob("*.jinja")):
+            files[f.stem] = f.read_text()
+    if files:
+        return files
+    template = config.get("chat_template")
+    if isinstance(template, str):
+        return {"default": template}
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        return {t["name"]: t["template"] for t in template
+                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    return {}
 
 
 def _hub_caches() -> list[Path]:

@@ -7,6 +7,7 @@ per replica. The tests in this module share the replicas; the one that kills a r
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Iterator
@@ -18,8 +19,10 @@ import pytest
 from conftest import Cluster
 from helpers import (HTTP, openai_streams_through_a_kill, replicas_view, run_with_bypass, wait_keyed_by_tokens,
                      wait_until)
-from loadtest import vllm_cluster
+from loadtest import render_corpus, vllm_cluster
 from loadtest.cluster import Proc
+from router.prefix import prompts_of
+from router.tokenizer import LocalTokenizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -37,7 +40,8 @@ def replicas(home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[l
     log_dir = tmp_path_factory.mktemp("vllm")
     procs = vllm_cluster.start([vllm_cluster.replica(home, num_gpu_blocks=n, log_dir=log_dir, name=f"vllm-{i}",
                                                      max_model_len=MAX_MODEL_LEN,
-                                                     extra=(*vllm_cluster.kv_events_args(), "--enable-prompt-tokens-details"),
+                                                     extra=(*vllm_cluster.kv_events_args(), "--enable-prompt-tokens-details",
+                                                            *vllm_cluster.RENDER_ARGS),
                                                      dev_mode=True)
                                 for i, n in enumerate(BLOCKS)])
     yield procs
@@ -178,6 +182,74 @@ def test_with_the_models_tokenizer_predicted_cached_tokens_match_vllms_hits(repl
         assert abs(predicted - hits) <= 0.05 * hits, (predicted, hits)
         encoding = HTTP.get(rt.url + "/admin/replicas").json()["prompt_keys"]["tiny"]["encoding"]
         assert encoding["segments"] == "on" and encoding["hits"] >= 10, encoding  # system prompts encoded once
+    finally:
+        c.stop_all()
+
+
+def test_every_corpus_request_is_keyed_with_the_ids_vllm_renders(replicas, home):
+    """The rendering corpus (tools, tool results, chat_template_kwargs, continue_final_message, documents,
+    developer messages, content parts, unicode, token-id and batched completions) asked of the live replica."""
+    tok = LocalTokenizer(vllm_cluster.model_dir(home))
+    checked, refused, wrong = 0, 0, []
+    with httpx.Client(timeout=60) as http:
+        for case in render_corpus.corpus():
+            want = render_corpus.ask(http, replicas[0].url, case)
+            ids, inexact = prompts_of(case["path"], case["body"], tok)
+            if "status" in want:
+                refused += 1
+                assert inexact == "invalid", case["name"]
+                continue
+            checked += 1
+            if inexact is not None or ids != want["ids"]:
+                wrong.append(case["name"])
+    print(f"{checked} requests keyed exactly as vLLM renders them, {refused} refused by vLLM, wrong: {wrong}")
+    assert checked >= 200 and not wrong
+
+
+def tool_turns(conversations: int, turns: int, tag: str) -> list[list[dict]]:
+    """Each conversation's requests, turn by turn: a long tool list shared by all, then user questions, the
+    assistant's tool calls and the tools' results growing the history."""
+    tools = [{"type": "function", "function": {
+        "name": f"lookup_{k}", "description": " ".join(["alpha bravo charlie delta echo foxtrot"] * 12),
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}} for k in range(4)]
+    out = []
+    for c in range(conversations):
+        messages: list[dict] = [{"role": "system", "content": f"{tag} agent {c}: " + "golf hotel india " * 20}]
+        bodies = []
+        for t in range(turns):
+            messages.append({"role": "user", "content": f"turn {t}: juliet kilo lima mike " * 8})
+            bodies.append({"model": "tiny", "max_tokens": 2, "tools": tools, "messages": list(messages)})
+            call = {"id": f"call_{c}_{t}", "type": "function",
+                    "function": {"name": f"lookup_{t % 4}", "arguments": json.dumps({"city": f"november {t}"})}}
+            messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": call["id"], "content": "oscar papa quebec " * 10}]
+        out.append(bodies)
+    return out
+
+
+def test_predicted_cached_tokens_match_vllms_hits_on_tool_calling_conversations(replicas, tmp_path):
+    """Agent traffic (tools, tool calls, tool results) over several turns: the router's prediction of each
+    request's cached tokens, summed, is within 5% of what the replicas found in their caches."""
+    c = Cluster(tmp_path)
+    rt = c.router(replicas, wait_ready=False)
+    try:
+        rt.wait_http("/ready", timeout=30)
+        wait_keyed_by_tokens(rt, timeout=10)
+        wait_until(lambda: all(r["index"]["mode"] == "precise" for r in replicas_view(rt).values()), 30)
+        before = {p.url: vllm_cluster.metrics(p.url)["vllm:prefix_cache_hits_total"] for p in replicas}
+        predicted = 0
+        with httpx.Client(timeout=60) as http:
+            for bodies in zip(*tool_turns(3, 5, tag=f"run {time.time_ns()}")):  # turn by turn, conversations interleaved
+                for body in bodies:
+                    r = http.post(rt.url + "/v1/chat/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    predicted += int(r.headers["x-kvroute-cached-tokens"])
+                applied_quietly(rt, replicas)
+        hits = sum(vllm_cluster.metrics(p.url)["vllm:prefix_cache_hits_total"] - before[p.url] for p in replicas)
+        keyed = HTTP.get(rt.url + "/metrics").text
+        print(f"predicted {predicted} cached tokens, vLLM hit {hits}")
+        assert 'kvroute_prompt_keys_total{mode="tokens",reason=""}' in keyed and 'mode="bytes"' not in keyed
+        assert hits > 0 and abs(predicted - hits) <= 0.05 * hits, (predicted, hits)
     finally:
         c.stop_all()
 
