@@ -135,8 +135,8 @@ def bench_chat(decisions: int, seed: int, segments: bool, folder: Path) -> dict[
     prompt of ``size`` tokens shared by 8 requests in a row, plus a 64-word question."""
     from router.tokenizer import LocalTokenizer
 
-    tokenizer = LocalTokenizer(folder, segments=segments)
-    counter = LocalTokenizer(folder, segments=False)
+    tokenizer = LocalTokenizer(folder, reuse=segments)
+    counter = LocalTokenizer(folder, reuse=False)
     rng = random.Random(seed)
     out: dict[str, dict[str, float]] = {}
     for size in CHAT_SIZES:

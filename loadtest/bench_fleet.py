@@ -16,7 +16,8 @@ started for it). The run measures, router by router, on the same request sequenc
 - idle CPU: the router's CPU over ``--idle-s`` seconds with no traffic, as a share of one core (per
   instance);
 - the load: ``--requests`` non-streaming completions of ~1,000-token prompts from 64 prefix groups at
-  ``--concurrency``, sent over kept-alive connections; router CPU seconds per 1,000 requests (from
+  ``--concurrency`` (``--prompt-tokens``, ``--shared-tokens`` and ``--groups`` change them: 12,000-token
+  prompts sharing their first 11,000 with earlier ones are ``--prompt-tokens 12000 --shared-tokens 11000``), sent over kept-alive connections; router CPU seconds per 1,000 requests (from
   /proc, all instances together), client latency p50/p99, the router's RSS after the run (the largest
   instance), and kvroute's own decision time (``kvroute_decision_seconds``, of the first instance) p50/p99.
 
@@ -57,7 +58,8 @@ def rss_mb(pid: int) -> float:
 
 def workload(n: int, groups: int = 64, system_tokens: int = 960, question_tokens: int = 40,
              seed: int = 0) -> list[bytes]:
-    """``n`` completions bodies: 64 groups' shared ~960-token heads, each with its own ~40-token question."""
+    """``n`` completions bodies: ``groups`` shared heads of ~``system_tokens``, each with its own question of
+    ~``question_tokens``."""
     rng = random.Random(seed)
     vocab = VOCABULARIES["tiny-model"]
     heads = [words(rng, system_tokens, vocab) for _ in range(groups)]
@@ -256,13 +258,19 @@ def main(argv: list[str] | None = None) -> int:
                    "requests spread over them)")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=1000, help="tokens per prompt (about)")
+    p.add_argument("--shared-tokens", type=int, default=960,
+                   help="of those, the head each prefix group shares (the rest is the request's own)")
+    p.add_argument("--groups", type=int, default=64, help="prefix groups")
     p.add_argument("--idle-s", type=float, default=20.0, help="seconds of idle CPU measurement")
     p.add_argument("--ready-timeout-s", type=float, default=120.0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a kvroute setting (kvroute serve --set), e.g. health.max_requests_per_s=200")
     p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results" / "fleet")
     args = p.parse_args(argv)
-    bodies = workload(args.requests)
+    if not 0 < args.shared_tokens < args.prompt_tokens:
+        p.error("--shared-tokens must be between 0 and --prompt-tokens")
+    bodies = workload(args.requests, args.groups, args.shared_tokens, args.prompt_tokens - args.shared_tokens)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvroute-fleet-") as tmp:
         logs = Path(tmp)

@@ -12,15 +12,19 @@ In byte mode a token counts as ``prefix.bytes_per_token`` bytes at first; the re
 moved away from it: the first time by a tenth after 2 answers, later by a quarter after 8 (keys made before
 a change no longer match, so the first one comes early and the rest are rare).
 
-Long prompts are tokenized in a worker thread, off the event loop (the tokenizers package releases
-the GIL), by pieces kept between requests (:class:`router.tokenizer.Segments`); tokenizers are loaded
-in a worker thread too.
+Long prompts are keyed on two threads of lower scheduling priority than the event loop's (the
+tokenizer lets other threads run while it encodes), from where an earlier text left off
+(:mod:`router.incremental`) or by pieces kept between requests (:class:`router.tokenizer.Segments`);
+tokenizers are loaded in a worker thread too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .background import Background
@@ -33,11 +37,21 @@ from .tokenizer import LocalTokenizer, TokenizerError, find_local
 log = logging.getLogger("kvroute.keys")
 
 _INLINE_TOKENIZE_BYTES = 8192
+_ENCODERS = 2  # threads keying long prompts side by side (the tokenizer lets them run in parallel)
+_ENCODER_NICE = 10
 _FIRST_SAMPLES = 2  # answers before the first learned figure replaces the configured one
 _MIN_SAMPLES = 8  # answers before a later change
 _DECAY = 0.98  # weight of the past in the learned figure (about the last 50 answers count)
 _FIRST_MOVE = 0.10  # relative change from the configured figure that the first learned one must show
 _MOVE = 0.25  # ... and any later one: a change invalidates every key made before it, a small error costs little
+
+
+def _yield_cpu() -> None:
+    """Lower this thread's scheduling priority (Linux schedules each thread on its own nice value)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _ENCODER_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the thread runs at the process's priority
+        pass
 
 
 def _load(field: str, path: str) -> LocalTokenizer:
@@ -75,6 +89,9 @@ class PromptKeys:
         self._calibration: dict[str, _Calibration] = {}
         self._searching: set[str] = set()  # models whose tokenizer is being looked for
         self._background = Background()
+        # long prompts are keyed on threads of their own, at a lower scheduling priority than the event loop's,
+        # so that a first-seen 100,000-token prompt takes spare CPU rather than the other requests' turn
+        self._encoder = ThreadPoolExecutor(_ENCODERS, thread_name_prefix="kvroute-encode", initializer=_yield_cpu)
         if events is not None:
             events.subscribe(self._on_event)
 
@@ -97,7 +114,8 @@ class PromptKeys:
         bpt = self.bytes_per_token(model)
         try:
             if tokenizer is not None and body_size > _INLINE_TOKENIZE_BYTES:
-                key = await asyncio.to_thread(key_for, path, payload, model, bpt, tokenizer)
+                key = await asyncio.get_running_loop().run_in_executor(
+                    self._encoder, key_for, path, payload, model, bpt, tokenizer)
             else:
                 key = key_for(path, payload, model, bpt, tokenizer)
         except RecursionError:  # content nested past what can be walked: the replica judges it
@@ -193,3 +211,4 @@ class PromptKeys:
 
     async def close(self) -> None:
         await self._background.close()
+        self._encoder.shutdown(wait=False, cancel_futures=True)

@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -36,6 +38,7 @@ import xxhash
 if TYPE_CHECKING:
     from .tokenizer import LocalTokenizer
 
+_BIG_ENDIAN = sys.byteorder == "big"
 _ROLE = b"\x1e"  # record separator before each message
 _PART = b"\x1f"  # unit separator between the fields of a message
 
@@ -108,8 +111,14 @@ def chain_tokens(ids: Sequence[int], block_tokens: int, seed: int) -> list[int]:
     n = len(ids) - len(ids) % block_tokens
     if n == 0:
         return []
-    packed = struct.pack(f"<{n}I", *(i & 0xFFFFFFFF for i in ids[:n]))
-    return chain_bytes(packed, block_tokens * 4, seed)
+    try:
+        packed = array("I", ids[:n])  # 4-byte unsigned on every platform CPython builds for
+        if _BIG_ENDIAN:
+            packed.byteswap()
+        data = packed.tobytes()
+    except (OverflowError, TypeError):  # an id out of 32 bits (a client's token-id prompt): masked, as before
+        data = struct.pack(f"<{n}I", *(i & 0xFFFFFFFF for i in ids[:n]))
+    return chain_bytes(data, block_tokens * 4, seed)
 
 
 def _tokens(prompt: bytes | list[int], bytes_per_token: float) -> int:

@@ -22,14 +22,17 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
 
+from .incremental import Incremental, WholeCheck, encode_whole
 from .render import SPECIAL_TOKENS, ChatTemplate, Unkeyable, render_chat
 
 log = logging.getLogger("kvroute.tokenizer")
 
+# The tokenizer's own thread pool would encode at the process's priority beside the event loop: texts are
+# encoded on the calling thread (router.keys runs long ones on threads of lower priority), unless set otherwise.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 _SEGMENT_MIN_CHARS = 256  # shorter text between added tokens is encoded each time (it is cheap)
 _CACHE_TOKENS = 2_000_000  # token ids kept per tokenizer (4 bytes each)
-_VERIFY_FIRST = 32  # encodes checked against the whole-text encode before trusting segments ...
-_VERIFY_EVERY = 256  # ... and one in this many after
 
 
 class TokenizerError(Exception):
@@ -43,9 +46,10 @@ def _token_text(value: Any) -> str | None:
 
 
 class LocalTokenizer:
-    """``segments=False`` encodes every text whole (see :class:`Segments`; for comparisons)."""
+    """``reuse=False`` encodes every text whole (no :class:`Segments`, no :class:`~router.incremental.Incremental`;
+    for comparisons)."""
 
-    def __init__(self, path: str | Path, segments: bool = True) -> None:
+    def __init__(self, path: str | Path, reuse: bool = True) -> None:
         try:
             import tokenizers
         except ImportError:
@@ -80,7 +84,9 @@ class LocalTokenizer:
                     self._template(name)
                 except Exception as e:
                     raise TokenizerError(f"chat template {name!r} does not compile: {e}") from None
-        self._segments = Segments.of(self._tok, str(file)) if segments else None
+        frame = special_frame(self._tok)
+        self._segments = Segments.of(self._tok, str(file), frame) if reuse else None
+        self._incremental = Incremental(self._tok, str(file), frame) if reuse else None
 
     @property
     def has_chat_template(self) -> bool:
@@ -105,14 +111,22 @@ class LocalTokenizer:
         raise Unkeyable("no_chat_template")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of ``text``: from where an earlier long text left off (:mod:`router.incremental`), by pieces
+        between added tokens (:class:`Segments`), or whole; the same ids every way."""
+        if self._incremental is not None:
+            ids = self._incremental.encode(text, add_special_tokens)
+            if ids is not None:
+                return ids
         if self._segments is not None:
             ids = self._segments.encode(text, add_special_tokens)
             if ids is not None:
                 return ids
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return encode_whole(self._tok, text, add_special_tokens)
 
     def describe(self) -> dict[str, Any]:
-        return self._segments.describe() if self._segments is not None else {"segments": "off"}
+        out = self._segments.describe() if self._segments is not None else {"segments": "off"}
+        out["incremental"] = self._incremental.describe() if self._incremental is not None else "off"
+        return out
 
     def render(self, payload: dict[str, Any]) -> str:
         """A chat completions body's prompt text, as vLLM renders it (raises :class:`Unkeyable`)."""
@@ -141,32 +155,26 @@ class Segments:
 
     def __init__(self, tok: Any, name: str, added: dict[str, int], prefix: list[int], suffix: list[int]) -> None:
         self._tok = tok
-        self._name = name
         self._ids = added
         self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
         self._prefix, self._suffix = prefix, suffix  # what add_special_tokens puts around the text
         self._cache: OrderedDict[str, array] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()  # encodes run on the event loop and in worker threads
-        self.enabled = True
-        self.encodes = self.hits = self.misses = self.checked = 0
+        self._check = WholeCheck(tok, name, "encoding text piece by piece between its added tokens")
+        self.hits = self.misses = 0
 
     @classmethod
-    def of(cls, tok: Any, name: str) -> "Segments | None":
-        """Segments for ``tok``, or None if it has no added tokens to split at."""
+    def of(cls, tok: Any, name: str, frame: tuple[list[int], list[int]] | None) -> "Segments | None":
+        """Segments for ``tok``, or None if it has no added tokens to split at (or its frame is unknown)."""
         added = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.content}
-        if not added:
+        if not added or frame is None:
             return None
-        empty = tok.encode("", add_special_tokens=True).ids
-        probe, bare = tok.encode("a", add_special_tokens=True).ids, tok.encode("a", add_special_tokens=False).ids
-        for k in range(len(empty) + 1):  # where the text goes among the special tokens added around it
-            if probe == empty[:k] + bare + empty[k:]:
-                return cls(tok, name, added, empty[:k], empty[k:])
-        return None
+        return cls(tok, name, added, *frame)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int] | None:
         """The ids of ``text``, or None where the whole text must be encoded instead."""
-        if not self.enabled or len(text) < 2 * _SEGMENT_MIN_CHARS:
+        if not self._check.enabled or len(text) < 2 * _SEGMENT_MIN_CHARS:
             return None
         parts = self._split.split(text)
         if len(parts) == 1:
@@ -178,22 +186,10 @@ class Segments:
             elif len(part) >= _SEGMENT_MIN_CHARS:
                 ids.extend(self._piece(part))
             elif part:
-                ids.extend(self._tok.encode(part, add_special_tokens=False).ids)
+                ids.extend(encode_whole(self._tok, part, False))
         if add_special_tokens:
             ids.extend(self._suffix)
-        with self._lock:
-            self.encodes += 1
-            check = self.encodes <= _VERIFY_FIRST or self.encodes % _VERIFY_EVERY == 0
-        if check:
-            whole = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-            with self._lock:
-                self.checked += 1
-            if whole != ids:
-                self.enabled = False
-                log.warning("tokenizer %s: encoding text piece by piece between its added tokens differs from "
-                            "encoding it whole; every prompt is encoded whole from now on", self._name)
-                return whole
-        return ids
+        return self._check(text, add_special_tokens, ids)
 
     def _piece(self, part: str) -> array:
         with self._lock:
@@ -203,7 +199,7 @@ class Segments:
                 self.hits += 1
                 return got
             self.misses += 1
-        got = array("I", self._tok.encode(part, add_special_tokens=False).ids)
+        got = array("I", encode_whole(self._tok, part, False))
         with self._lock:
             if part not in self._cache and len(got) <= _CACHE_TOKENS // 4:
                 self._cache[part] = got
@@ -214,9 +210,20 @@ class Segments:
 
     def describe(self) -> dict[str, Any]:
         with self._lock:
-            return {"segments": "on" if self.enabled else "off (they encoded differently)",
+            return {"segments": "on" if self._check.enabled else "off (they encoded differently)",
                     "cached_pieces": len(self._cache), "cached_tokens": self._tokens, "hits": self.hits,
-                    "misses": self.misses, "checked_against_whole": self.checked}
+                    "misses": self.misses, "checked_against_whole": self._check.checked}
+
+
+def special_frame(tok: Any) -> tuple[list[int], list[int]] | None:
+    """The ids ``add_special_tokens`` puts before and after a text (BOS, ...), or None if that is not how it adds
+    them."""
+    empty = tok.encode("", add_special_tokens=True).ids
+    probe, bare = tok.encode("a", add_special_tokens=True).ids, tok.encode("a", add_special_tokens=False).ids
+    for k in range(len(empty) + 1):  # where the text goes among the special tokens added around it
+        if probe == empty[:k] + bare + empty[k:]:
+            return empty[:k], empty[k:]
+    return None
 
 
 def _templates(folder: Path, config: dict[str, Any]) -> dict[str, str]:

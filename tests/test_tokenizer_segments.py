@@ -73,8 +73,8 @@ def test_a_tokenizer_whose_added_token_takes_the_spaces_beside_it_is_encoded_who
     assert tok.encode(text) == _whole(folder, text, True)
 
 
-def test_without_pieces_every_text_is_encoded_whole(model_dir):
-    tok = LocalTokenizer(model_dir, segments=False)
+def test_without_reuse_every_text_is_encoded_whole(model_dir):
+    tok = LocalTokenizer(model_dir, reuse=False)
     text = tok.render_chat([{"role": "system", "content": _words(600)}])
     assert tok.encode(text, add_special_tokens=False) == _whole(model_dir, text, False)
-    assert tok.describe() == {"segments": "off"}
+    assert tok.describe() == {"segments": "off", "incremental": "off"}
