@@ -40,6 +40,7 @@ from typing import Any, Awaitable, Callable, Iterator
 from router.prefix import chain_tokens, prompts_of
 from router.tokenizer import LocalTokenizer
 
+from . import stand_in_apis as apis
 from .engine import Engine, EngineLoop, Request, StepCost
 from .kv_publisher import KvPublisher
 from .profiles import PROFILES
@@ -198,7 +199,8 @@ class VLLMSimulator:
                  max_num_seqs: int = 256, block_size: int = 128, num_gpu_blocks: int = 16384,
                  max_model_len: int = 4096, bytes_per_token: int = 4, api_key: str | None = None,
                  faults: Faults | None = None, seed: int | None = None, root: str | None = None,
-                 kv_events: KvPublisher | None = None, engine: Engine | None = None, time_scale: float = 1.0) -> None:
+                 kv_events: KvPublisher | None = None, engine: Engine | None = None, time_scale: float = 1.0,
+                 store_responses: bool = False) -> None:
         self.model = model
         self._metrics_rest = metrics_rest(model)
         self.root = root or f"/models/{model}"  # what /v1/models reports the model was loaded from
@@ -228,6 +230,7 @@ class VLLMSimulator:
         self._prefill_free_at = 0.0  # prefill is compute-bound: requests' prefills queue behind each other
         self._rng = random.Random(seed)
         self._background: set[asyncio.Task[None]] = set()
+        self.responses = apis.StoredResponses() if store_responses else None
 
     # -- ASGI --------------------------------------------------------------------------------
 
@@ -266,6 +269,8 @@ class VLLMSimulator:
                 return await _json(send, 200, self.kv_events.sources())
             if path == "/sim/state":
                 return await _json(send, 200, self.state())
+            if path.startswith("/v1/responses/"):
+                return await self._stored_response(path, send)
         elif method == "POST":
             body = await _read_body(receive)
             if path == "/sim/faults":
@@ -296,7 +301,86 @@ class VLLMSimulator:
                 if not self._authorized(scope):
                     return await _json(send, 401, {"error": "Unauthorized"})
                 return await self._endpoint(path, scope, body, receive, send)
+            if path in ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens"):
+                if not self._authorized(scope):
+                    return await _json(send, 401, {"error": "Unauthorized"})
+                return await self._other_api(path, scope, body, send)
+            if path.startswith("/v1/responses/") and path.endswith("/cancel"):
+                return await self._stored_response(path, send)
         await _json(send, 404, {"detail": "Not Found"})
+
+    # -- the Responses API and Anthropic's Messages API (loadtest/stand_in_apis.py) ----------------
+
+    async def _stored_response(self, path: str, send: Any) -> None:
+        """GET /v1/responses/{id}, POST /v1/responses/{id}/cancel: only where the response is stored."""
+        response_id = path[len("/v1/responses/"):].removesuffix("/cancel")
+        got = self.responses.get(response_id) if self.responses is not None else None
+        if got is None:
+            return await _json(send, 404, apis.not_found(response_id))
+        if path.endswith("/cancel"):
+            return await _json(send, 400, _error("Cannot cancel a synchronous response.", "invalid_request_error",
+                                                 "response_id", 400))
+        await _json(send, 200, got[0])
+
+    async def _other_api(self, path: str, scope: dict[str, Any], body: bytes, send: Any) -> None:
+        try:
+            req = json.loads(body)
+            if not isinstance(req, dict):
+                raise ValueError
+        except (ValueError, RecursionError):
+            return await _json(send, 400, _error("JSON decode error", "Bad Request", "body", 400))
+        model = req.get("model", self.model)
+        if model != self.model:
+            return await _json(send, 404, _error(
+                f"The model `{model}` does not exist. Valid aliases: {self.model}.", "NotFoundError", "model", 404))
+        if path != "/v1/responses":
+            ids = self.prompt_ids({"messages": apis.anthropic_messages(req)}, True)
+            if path.endswith("/count_tokens"):
+                return await _json(send, 200, {"input_tokens": len(ids),
+                                               "context_management": {"original_input_tokens": len(ids)}})
+            n = _lax_int(req.get("max_tokens")) or 16
+            pieces, cached = await self._produce(ids, n)
+            if _lax_bool(req.get("stream", False)):
+                return await self._send_events(send, apis.message_events(self.model, pieces, len(ids)))
+            return await _json(send, 200, apis.message_object(self.model, "".join(pieces), len(ids), n))
+        previous = None
+        prev_id = req.get("previous_response_id")
+        if prev_id is not None:
+            previous = self.responses.get(prev_id) if self.responses is not None else None
+            if previous is None:
+                return await _json(send, 404, apis.not_found(str(prev_id)))
+        conversation = apis.messages_of(req, previous[1] if previous else None)
+        ids = self.prompt_ids({"messages": conversation}, True)
+        rid = req.get("request_id") or f"resp_{uuid.uuid4().hex[:16]}"
+        n = _lax_int(req.get("max_output_tokens")) or 16
+        self.c.received += 1
+        self.c.last_body = req
+        pieces, cached = await self._produce(ids, n)
+        text = "".join(pieces)
+        done = apis.response_object(rid, self.model, req, text, len(ids), cached, n,
+                                    f"msg_{uuid.uuid4().hex[:16]}", int(time.time()), True)
+        if self.responses is not None and req.get("store", True) is not False:
+            self.responses.put(done, conversation + [{"role": "assistant", "content": text}])
+        if _lax_bool(req.get("stream", False)):
+            return await self._send_events(send, apis.response_events(rid, self.model, req, pieces, len(ids), cached))
+        await _json(send, 200, done)
+
+    async def _produce(self, ids: list[int], n: int) -> tuple[list[str], int]:
+        """Prefill (through the prefix cache) and ``n`` output pieces, at the replica's pace."""
+        cached = self.cache.admit(ids)
+        self.c.prompt_tokens += len(ids)
+        self.c.prefix_queries += len(ids)
+        self.c.prefix_hits += cached
+        await asyncio.sleep(self.ttft + self.itl * max(0, n - 1))
+        self.c.generation_tokens += n
+        self.c.completed += 1
+        return [self._text(i) for i in range(n)], cached
+
+    async def _send_events(self, send: Any, events: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        for chunk in events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def state(self) -> dict[str, Any]:
         out: dict[str, Any] = {"counters": asdict(self.c), "faults": asdict(self.faults),
@@ -821,6 +905,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-gpu-blocks", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--bytes-per-token", type=int, default=4)
+    p.add_argument("--store-responses", action="store_true",
+                   help="keep /v1/responses answers for previous_response_id and GET /v1/responses/{id}, in this "
+                        "replica's memory only (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"), help="require this bearer key, like vllm --api-key")
     p.add_argument("--seed", type=int)
     p.add_argument("--kv-events", action="store_true", help="publish KV-cache events (ZMQ, as vLLM's "
@@ -916,7 +1003,8 @@ def build(args: argparse.Namespace, index: int = 0) -> VLLMSimulator:
                          block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                          max_model_len=args.max_model_len, bytes_per_token=args.bytes_per_token,
                          api_key=args.api_key, faults=faults, seed=seed, root=args.root,
-                         kv_events=publisher, engine=engine, time_scale=args.time_scale)
+                         kv_events=publisher, engine=engine, time_scale=args.time_scale,
+                         store_responses=args.store_responses)
 
 
 if __name__ == "__main__":

@@ -41,10 +41,11 @@ def model_dir(home: Path) -> Path:
 
 def replica(home: Path, port: int | None = None, num_gpu_blocks: int | None = 64, block_size: int = 128,
             log_dir: Path | None = None, name: str | None = None, max_num_seqs: int = 16, max_model_len: int = 4096,
-            extra: tuple[str, ...] = (), dev_mode: bool = False) -> Proc:
+            extra: tuple[str, ...] = (), dev_mode: bool = False, store_responses: bool = False) -> Proc:
     """A vLLM replica serving the tiny model as ``tiny`` (not started).
 
-    ``dev_mode`` enables vLLM's development endpoints, such as ``POST /reset_prefix_cache``.
+    ``dev_mode`` enables vLLM's development endpoints, such as ``POST /reset_prefix_cache``;
+    ``store_responses`` its response store.
     ``num_gpu_blocks=None`` lets vLLM size its cache from the KV space (1 GiB).
     """
     port = port or free_port()
@@ -66,6 +67,8 @@ def replica(home: Path, port: int | None = None, num_gpu_blocks: int | None = 64
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    if store_responses:  # /v1/responses answers kept in the replica's memory for previous_response_id
+        env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
     return Proc(name, argv, port, env=env, log_path=(log_dir / f"{name}.log") if log_dir else None)
 
 

@@ -13,6 +13,7 @@ import collections
 import gc
 import itertools
 import logging
+import re
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -51,19 +52,33 @@ from .pool import ReplicaPool
 from .proxy import Call, Forwarder, client_headers, send_error
 from .request import RouteRequest
 from .routing import Router
+from .responses import ResponseHomes, new_id, unavailable, unknown, valid_id, with_id
 from .sessions import build_sessions, session_digest
 from .store import Store
 
 log = logging.getLogger("kvroute.api")
 
-# endpoint -> the body field it cannot do without (any one of several)
+# endpoint -> the body field it cannot do without (any one of several); every one vLLM serves for clients
 PROXIED: dict[str, tuple[str, ...]] = {
     "/v1/chat/completions": ("messages",),
     "/v1/completions": ("prompt", "prompt_embeds"),
+    "/v1/responses": ("input", "previous_response_id"),
+    "/v1/messages": ("messages",),  # Anthropic's Messages API
+    "/v1/messages/count_tokens": ("messages",),
     "/v1/embeddings": ("input", "messages"),
+    "/v2/embed": ("texts", "inputs", "images"),
+    "/pooling": ("input", "messages"),
+    "/classify": ("input", "messages"),
+    "/v1/rerank": ("query",),
+    "/v2/rerank": ("query",),
+    "/rerank": ("query",),
+    "/v1/score": ("text_1", "queries", "data_1"),
+    "/score": ("text_1", "queries", "data_1"),
     "/tokenize": ("prompt", "messages"),
     "/detokenize": ("tokens",),
 }
+_RESPONSES = "/v1/responses"
+_STORED_RESPONSE = re.compile(r"^/v1/responses/([^/]+)(/cancel)?$")
 
 
 class Gateway:
@@ -109,7 +124,9 @@ class Gateway:
                              self.metrics, self.events,
                              index=index, keys=keys,
                              conversations=conversations,
-                             candidates=Candidates(self.pool, config.candidates, index) if index else None)
+                             candidates=Candidates(self.pool, config.candidates, index) if index else None,
+                             responses=ResponseHomes(build_sessions(config.index, config.sessions, self.metrics, share,
+                                                                    self.load, self.store)))
         # the other routers hear what this one answered and continued (router.shared_conversations)
         self.shared_conversations: SharedConversations | None = None
         if conversations is not None and self.shared_load is not None:
@@ -136,6 +153,16 @@ class Gateway:
             return 0.0
         gaps = sorted(b - a for a, b in zip(polls, polls[1:]))
         return min(30.0, 2 * gaps[len(gaps) // 2])
+
+    async def response_home(self, response_id: str) -> str:
+        """The ready replica holding stored response ``response_id``; raises a 404 that says why there is none."""
+        home = await self.router.responses.home(response_id) if self.router.responses is not None else None
+        if home is None:
+            raise unknown(response_id)
+        replica = self.pool.get(home)
+        if replica is None or not replica.view.ready:
+            raise unavailable(response_id, home)
+        return home
 
     def single_model(self) -> str | None:
         models: set[str] = set()
@@ -210,7 +237,22 @@ class ProxyEndpoint:
                 session = session_digest(v)
         route = RouteRequest(model=model, request_id=request_id, endpoint=self.path, session_id=session,
                              payload=payload, body_size=len(body))
+        if self.path == _RESPONSES:
+            body = await self._response_home(body, payload, route)
         return body, payload, route
+
+    async def _response_home(self, body: bytes, payload: dict[str, Any], route: RouteRequest) -> bytes:
+        """Pin a request that continues a stored response to the replica holding it; name the response this one
+        makes (router.responses). Returns the body to send."""
+        previous = payload.get("previous_response_id")
+        if previous is not None:
+            route.pinned = await self.gw.response_home(valid_id(previous, "previous_response_id"))
+        own = payload.get("request_id")
+        if own is not None:
+            route.response_id = valid_id(own, "request_id")
+            return body
+        route.response_id = new_id()
+        return with_id(body, route.response_id)
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]], receive: Any) -> bytes:
         for k, v in headers:
@@ -269,6 +311,32 @@ def _json_error(e: GatewayError, request_id: str | None = None) -> Response:
     return Response(e.body(), status_code=e.status, media_type="application/json", headers=headers)
 
 
+class StoredResponseEndpoint:
+    """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: sent to the replica holding the response."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any, response_id: str) -> None:
+        started = time.perf_counter()
+        headers = scope["headers"]
+        request_id = request_id_from(headers)
+        try:
+            self.gw.auth.check_client(headers)
+            home = await self.gw.response_home(valid_id(response_id, "response_id"))
+        except GatewayError as e:
+            self.gw.metrics.requests.labels("", "none", str(e.status)).inc()
+            await send_error(send, e, request_id)
+            return
+        query = scope.get("query_string", b"")
+        path = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+        stream = scope["method"] == "GET" and b"stream=true" in query.lower()
+        route = RouteRequest(model=None, request_id=request_id, endpoint=_RESPONSES, pinned=home)
+        call = Call(path=path, body=b"", model=None, stream=stream, request_id=request_id,
+                    headers=client_headers(headers), started=started, route=route, method=scope["method"].encode())
+        await self.gw.forwarder(call, receive, send)
+
+
 class GatewayApp:
     """The ASGI entry point: proxied POSTs go straight to their endpoint, the rest to FastAPI.
 
@@ -276,17 +344,26 @@ class GatewayApp:
     each ``send`` of each chunk several times over for nothing they need.
     """
 
-    def __init__(self, fastapi_app: FastAPI, endpoints: dict[str, "ProxyEndpoint"]) -> None:
+    def __init__(self, fastapi_app: FastAPI, endpoints: dict[str, "ProxyEndpoint"],
+                 stored: StoredResponseEndpoint) -> None:
         self.app = fastapi_app
         self.endpoints = endpoints
+        self.stored = stored
         self.state = fastapi_app.state
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = self.endpoints.get(scope["path"])
-            if endpoint is not None:
-                await endpoint(scope, receive, send)
-                return
+        if scope["type"] == "http":
+            method, path = scope["method"], scope["path"]
+            if method == "POST":
+                endpoint = self.endpoints.get(path)
+                if endpoint is not None:
+                    await endpoint(scope, receive, send)
+                    return
+            if path.startswith("/v1/responses/"):
+                m = _STORED_RESPONSE.match(path)
+                if m is not None and (method, bool(m.group(2))) in (("GET", False), ("POST", True)):
+                    await self.stored(scope, receive, send, m.group(1))
+                    return
         await self.app(scope, receive, send)
 
 
@@ -464,4 +541,4 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
         gw.pool.set_drained(r, False)
         return JSONResponse(_describe(r))
 
-    return GatewayApp(app, endpoints)
+    return GatewayApp(app, endpoints, StoredResponseEndpoint(gw))

@@ -293,10 +293,11 @@ class ConversationsConfig(_Model):
 
 
 class SessionConfig(_Model):
-    ttl_s: float = Field(3600.0, gt=0, description="with a Redis index, a session's replica is kept in Redis this long "
-                         "after its last request")
-    max_local: int = Field(100_000, ge=1, description="sessions each router keeps in memory (least recently used out); "
-                           "with several workers and no Redis, the slots of the table they share")
+    ttl_s: float = Field(3600.0, gt=0, description="with a Redis index, a session's replica (and a stored response's) "
+                         "is kept in Redis this long after its last request")
+    max_local: int = Field(100_000, ge=1, description="sessions (and stored responses' replicas) each router keeps in "
+                           "memory (least recently used out); with several workers and no Redis, the slots of the table "
+                           "they share")
 
 
 class StageConfig(BaseModel):

@@ -388,7 +388,12 @@ class Policy:
             type(f).__call__ is Filter.__call__ for f in self.filters) else None
 
     def candidates(self, req: RouteRequest, views: Sequence[ReplicaView]) -> list[ReplicaView]:
-        """Run the filters; raise :class:`NoCandidate` naming the first one that left nobody."""
+        """Run the filters; raise :class:`NoCandidate` naming the first one that left nobody.
+
+        A request pinned to a replica (it names a response stored there) is weighed on that replica alone.
+        """
+        if req.pinned is not None:
+            views = [v for v in views if v.name == req.pinned]
         keeps = self._keeps
         if keeps is not None:
             # one pass over the replicas with every filter (the common case: someone is left)...

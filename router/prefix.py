@@ -168,6 +168,19 @@ class PromptKey:
         return got
 
 
+def _responses_messages(payload: dict[str, Any]) -> list[Any]:
+    """A /v1/responses body's instructions and input as messages (for byte keys)."""
+    out: list[Any] = []
+    if isinstance(payload.get("instructions"), str):
+        out.append({"role": "system", "content": payload["instructions"]})
+    items = payload.get("input")
+    if isinstance(items, str):
+        out.append({"role": "user", "content": items})
+    elif isinstance(items, list):
+        out.extend(items)
+    return out
+
+
 def _encode_completion(tokenizer: "LocalTokenizer | None", text: str, special: bool) -> bytes | list[int]:
     return tokenizer.encode(text, add_special_tokens=special) if tokenizer is not None else _text(text)
 
@@ -198,6 +211,20 @@ def prompts_of(path: str, payload: dict[str, Any],
             return [tokenizer.chat_ids(payload)], None
         except Unkeyable as e:  # the replica's ids cannot be known here: the bytes still group alike requests
             return [chat_bytes(messages)], e.reason
+    if path == "/v1/responses":
+        if payload.get("previous_response_id") is not None:
+            return None, None  # its prompt begins with the stored conversation, on the one replica holding it
+        messages = _responses_messages(payload)
+        if not messages:
+            return None, None
+        return [chat_bytes(messages)], "api_conversion" if tokenizer is not None else None
+    if path == "/v1/messages":  # Anthropic's: the system prompt, then the messages
+        messages = payload.get("messages")
+        if not isinstance(messages, list):
+            return None, None
+        system = payload.get("system")
+        head = [{"role": "system", "content": system}] if system is not None else []
+        return [chat_bytes(head + messages)], "api_conversion" if tokenizer is not None else None
     if path == "/v1/completions":
         prompt = payload.get("prompt")
         if tokenizer is not None:

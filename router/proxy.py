@@ -115,6 +115,7 @@ class Call:
     resume: Transcript | None = None  # kept for a stream that may go on on another replica if its own fails
     splice: Splice | None = None  # set while another replica continues the stream
     continued: bytes | None = None  # the request body that asks for the continuation
+    method: bytes = b"POST"
 
 
 @dataclass
@@ -285,7 +286,7 @@ class Forwarder:
         headers_wait = min(wait, self.cfg.stream_headers_timeout_s) if call.stream else wait
         call.sent_at = time.perf_counter()
         try:
-            upstream = await replica.upstream.request(b"POST", call.path, headers, body, headers_wait)
+            upstream = await replica.upstream.request(call.method, call.path, headers, body, headers_wait)
         except UpstreamError as e:
             return _Failure(ticket.name, e.kind)
         try:

@@ -37,6 +37,7 @@ REASONS = (
     "template_error",  # the template refused the conversation (the replica answers 400)
     "invalid",  # a request the replica refuses before rendering
     "no_chat_template",  # the model's tokenizer has no chat template
+    "api_conversion",  # /v1/responses, /v1/messages: vLLM turns their input into chat messages its own way
 )
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -24,6 +24,8 @@ class RouteRequest:
     request_id: str
     endpoint: str
     session_id: str | None = None  # a fixed-size digest of the client's x-session-id, never the raw value
+    pinned: str | None = None  # the one replica that can serve it (it holds the stored response it names)
+    response_id: str | None = None  # the id of the stored response it makes (/v1/responses)
     payload: dict[str, Any] | None = None  # the parsed body, until the router has keyed it
     body_size: int = 0
     exclude: set[str] = field(default_factory=set)

@@ -39,6 +39,7 @@ from .metrics import Metrics
 from .policy import NoCandidate, Policy
 from .pool import Replica, ReplicaPool
 from .request import RouteRequest
+from .responses import ResponseHomes
 from .sessions import Sessions
 from .view import ReplicaView
 
@@ -76,9 +77,12 @@ class Ticket:
     def first_byte(self, status: int) -> None:
         """The replica sent its first byte: the prompt's prefill is no longer pending there."""
         self._prefilled()
-        if self.req.session_id is not None and 200 <= status < 300:
+        if 200 <= status < 300:
             # now, not at the end: the session's next turn may come through another router mid-stream
-            self._router.sessions.remember(self.req.session_id, self.name)
+            if self.req.session_id is not None:
+                self._router.sessions.remember(self.req.session_id, self.name)
+            if self.req.response_id is not None and self._router.responses is not None:
+                self._router.responses.remember(self.req.response_id, self.name)
 
     def failed(self, kind: str) -> None:
         """The attempt failed before an answer reached the client."""
@@ -108,7 +112,8 @@ class Router:
     def __init__(self, pool: ReplicaPool, load: LoadTable, policy: Policy, admission: Admission,
                  sessions: Sessions, metrics: Metrics, events: EventBus,
                  index: PrefixIndex | None = None, keys: PromptKeys | None = None,
-                 conversations: Conversations | None = None, candidates: Candidates | None = None) -> None:
+                 conversations: Conversations | None = None, candidates: Candidates | None = None,
+                 responses: ResponseHomes | None = None) -> None:
         self.pool = pool
         self.load = load
         self.policy = policy
@@ -119,6 +124,7 @@ class Router:
         self.keys = keys
         self.conversations = conversations
         self.candidates = candidates  # None: every decision weighs every replica
+        self.responses = responses  # where each stored response lives (/v1/responses)
         self._m_lookup = metrics.index_lookup
         self._m_decision = metrics.decision
         self._background = Background()
@@ -329,3 +335,5 @@ class Router:
         if self.index is not None:
             await self.index.close()
         await self.sessions.close()
+        if self.responses is not None:
+            await self.responses.close()

@@ -42,7 +42,7 @@ def replicas(home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[l
                                                      max_model_len=MAX_MODEL_LEN,
                                                      extra=(*vllm_cluster.kv_events_args(), "--enable-prompt-tokens-details",
                                                             *vllm_cluster.RENDER_ARGS),
-                                                     dev_mode=True)
+                                                     dev_mode=True, store_responses=True)
                                 for i, n in enumerate(BLOCKS)])
     yield procs
     for p in procs:
@@ -250,6 +250,34 @@ def test_predicted_cached_tokens_match_vllms_hits_on_tool_calling_conversations(
         print(f"predicted {predicted} cached tokens, vLLM hit {hits}")
         assert 'kvroute_prompt_keys_total{mode="tokens",reason=""}' in keyed and 'mode="bytes"' not in keyed
         assert hits > 0 and abs(predicted - hits) <= 0.05 * hits, (predicted, hits)
+    finally:
+        c.stop_all()
+
+
+def test_chained_responses_reach_the_replica_that_stored_each_one(replicas, tmp_path):
+    """Round robin would alternate between the replicas: every follow-up still reaches the one holding its
+    previous response (any other answers 404), streamed or not, and can be retrieved there."""
+    c = Cluster(tmp_path)
+    rt = c.router(replicas, "--policy", "round-robin", wait_ready=False)
+    try:
+        rt.wait_http("/ready", timeout=30)
+        oa = client(rt)
+        previous = None
+        for i in range(12):
+            if i % 3 == 2:
+                events = list(oa.responses.create(model="tiny", input=f"turn {i}: alpha bravo", max_output_tokens=3,
+                                                  previous_response_id=previous, stream=True))
+                assert events[-1].type == "response.completed"
+                previous = events[-1].response.id
+            else:
+                out = oa.responses.create(model="tiny", input=f"turn {i}: alpha bravo", max_output_tokens=3,
+                                          previous_response_id=previous)
+                assert out.previous_response_id == previous
+                previous = out.id
+        assert oa.responses.retrieve(previous).id == previous
+        fresh = {oa.responses.with_raw_response.create(model="tiny", input=f"new {i}", max_output_tokens=2)
+                 .headers["x-kvroute-replica"] for i in range(4)}
+        assert len(fresh) == 2  # new conversations still spread
     finally:
         c.stop_all()
 
