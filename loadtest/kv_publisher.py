@@ -8,7 +8,8 @@ are collected and sent as one batch per flush interval (vLLM: one per engine ste
 
 Fault switches (see the simulator's ``/sim/faults``): ``kv_drop_batches`` numbers and buffers the
 next N batches but does not send them (the subscriber sees a gap); ``kv_replay`` false makes the
-replay endpoint answer with the end marker only (as if its buffer had moved on).
+replay endpoint answer with the end marker only (as if its buffer had moved on); ``kv_drop_removals``
+true sends no ``BlockRemoved`` at all (removals lost, or an engine that lies about its cache).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class KvPublisher:
         self.pending: list[dict[str, Any]] = []
         self.drop_batches = 0
         self.replay = True
+        self.drop_removals = False  # a replica whose events never say a block went (lost, or a lying engine)
         self.sent = 0
         self.dropped = 0
         self._ctx: zmq.asyncio.Context | None = None
@@ -87,6 +89,8 @@ class KvPublisher:
                              "kv_cache_spec_kind": "full_attention"})
 
     def removed(self, hashes: list[int], medium: str = "GPU") -> None:
+        if self.drop_removals:
+            return
         self.pending.append({"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, "group_idx": 0})
 
     def cleared(self) -> None:

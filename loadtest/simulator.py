@@ -279,6 +279,8 @@ class VLLMSimulator:
                         self.kv_events.drop_batches = int(v)
                     elif k == "kv_replay" and self.kv_events is not None:
                         self.kv_events.replay = bool(v)
+                    elif k == "kv_drop_removals" and self.kv_events is not None:
+                        self.kv_events.drop_removals = bool(v)
                     else:
                         setattr(self.faults, k, v)
                 return await _json(send, 200, asdict(self.faults))

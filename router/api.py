@@ -29,7 +29,7 @@ from . import __version__, errors
 from .admission import Admission
 from .auth import Auth
 from .candidates import Candidates
-from .config import RouterConfig
+from .config import ClientConfig, RouterConfig
 from .conversations import Conversations
 from .errors import GatewayError
 from .events import EventBus
@@ -78,6 +78,8 @@ PROXIED: dict[str, tuple[str, ...]] = {
     "/detokenize": ("tokens",),
 }
 _RESPONSES = "/v1/responses"
+MAX_MODEL_CHARS = 1024
+_ADMIN_BODY_BYTES = 64 * 1024
 _STORED_RESPONSE = re.compile(r"^/v1/responses/([^/]+)(/cancel)?$")
 
 
@@ -185,6 +187,44 @@ def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
     return f"{_ID_PREFIX}{next(_ids):016x}"
 
 
+async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int, cfg: ClientConfig,
+                    metrics: Metrics) -> bytes:
+    """A request's body, at most ``limit`` bytes (a larger Content-Length is refused before reading), with no pause
+    longer than ``client.body_timeout_s`` and all of it within ``client.body_total_timeout_s``.
+    Raises :class:`~router.errors.GatewayError` (400, 408, 413)."""
+    for k, v in headers:
+        if k == b"content-length":
+            try:
+                if int(v) > limit:
+                    raise errors.too_large(limit)
+            except ValueError:
+                raise errors.bad_request("invalid Content-Length header") from None
+    chunks = []
+    size = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + cfg.body_total_timeout_s
+    while True:
+        left = deadline - loop.time()
+        pause = min(cfg.body_timeout_s, left)
+        try:
+            async with asyncio.timeout(pause):  # a timer, no task: this runs for every request
+                message = await receive()
+        except TimeoutError:
+            metrics.client_refused.labels("body_timeout").inc()
+            what = (f"stalled for {cfg.body_timeout_s:g} s" if pause == cfg.body_timeout_s
+                    else f"took longer than {cfg.body_total_timeout_s:g} s")
+            raise GatewayError(408, f"the request body {what}", "invalid_request_error", "body_timeout") from None
+        if message["type"] == "http.disconnect":
+            raise errors.bad_request("client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise errors.too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 class ProxyEndpoint:
     """ASGI app for one proxied endpoint."""
 
@@ -193,7 +233,6 @@ class ProxyEndpoint:
         self.path = path
         self.required = required
         self.limit = gateway.config.proxy.max_body_bytes
-        self.body_timeout = gateway.config.client.body_timeout_s
         self.failover = gateway.config.proxy.stream_failover
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -231,6 +270,8 @@ class ProxyEndpoint:
                 raise errors.bad_request("you must provide a model parameter", "model", "missing_required_field")
         elif not isinstance(model, str) or not model:
             raise errors.bad_request("model must be a non-empty string", "model")
+        elif len(model) > MAX_MODEL_CHARS:  # never echoed, logged or kept: a client's name costs what this does
+            raise errors.bad_request(f"model must be at most {MAX_MODEL_CHARS} characters", "model", "model_too_long")
         session = None
         for k, v in headers:
             if k == b"x-session-id" and v:
@@ -255,32 +296,7 @@ class ProxyEndpoint:
         return with_id(body, route.response_id)
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]], receive: Any) -> bytes:
-        for k, v in headers:
-            if k == b"content-length":
-                try:
-                    if int(v) > self.limit:
-                        raise errors.too_large(self.limit)
-                except ValueError:
-                    raise errors.bad_request("invalid Content-Length header") from None
-        chunks = []
-        size = 0
-        while True:
-            try:
-                async with asyncio.timeout(self.body_timeout):  # a timer, no task: this runs for every request
-                    message = await receive()
-            except TimeoutError:
-                self.gw.metrics.client_refused.labels("body_timeout").inc()
-                raise GatewayError(408, f"the request body stalled for {self.body_timeout:g} s", "invalid_request_error",
-                                   "body_timeout") from None
-            if message["type"] == "http.disconnect":
-                raise errors.bad_request("client disconnected while sending the body")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                raise errors.too_large(self.limit)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return await read_body(receive, headers, self.limit, self.gw.config.client, self.gw.metrics)
 
     def _parse(self, body: bytes) -> dict[str, Any]:
         try:
@@ -502,9 +518,8 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
     @app.post("/admin/replicas")
     async def admin_register(request: Request) -> Response:
         _admin(request)
-        body = await request.body()
-        if len(body) > 64 * 1024:
-            raise errors.too_large(64 * 1024)
+        body = await read_body(request.receive, request.scope["headers"], _ADMIN_BODY_BYTES, config.client,
+                               gw.metrics)
         try:
             data = orjson.loads(body)
         except ValueError as e:

@@ -58,26 +58,30 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+_NAME = re.compile(r"[A-Za-z0-9._:@+-]{1,128}")
+
+
 class ReplicaConfig(_Model):
     """One vLLM replica (one engine, possibly spanning a tensor/pipeline-parallel group)."""
 
-    name: str = Field("", description="unique name; defaults to host:port of the url")
+    name: str = Field("", max_length=128, description="unique name, of letters, digits and . _ - : @ + (it appears "
+                      "in URLs, metric labels and logs); defaults to host:port of the url")
     url: str = Field(..., description="base URL of the replica's OpenAI server, e.g. http://10.0.0.5:8000")
     models: list[str] = Field(default_factory=list, description="served model names; empty = discover from /v1/models")
     platform: Platform = Field("cuda", description="gaudi2, gaudi3, aurora-pvc, cuda or cpu")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="devices in the replica's tensor-parallel group")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="pipeline stages (nodes) of the replica")
-    max_num_seqs: int = Field(256, ge=1, description="vLLM's --max-num-seqs: the most requests kept in flight on it")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="vLLM's --max-num-batched-tokens: prompt tokens one "
+    max_num_seqs: int = Field(256, ge=1, le=65536, description="vLLM's --max-num-seqs: the most requests kept in flight on it")
+    max_num_batched_tokens: int = Field(2048, ge=1, le=16_777_216, description="vLLM's --max-num-batched-tokens: prompt tokens one "
                                         "scheduler step takes; queued prefill beyond a step delays a new request "
                                         "at the prefill rate, within it by what its tokens add to a step")
-    speed: float | None = Field(None, gt=0, description="relative throughput; default: device_speed(platform) x TP x PP")
+    speed: float | None = Field(None, gt=0, le=1e6, description="relative throughput; default: device_speed(platform) x TP x PP")
     api_key: SecretStr | None = Field(None, description="bearer token sent to this replica")
-    block_size: int | None = Field(None, ge=1, description="KV block size in tokens; default: from the replica's "
+    block_size: int | None = Field(None, ge=1, le=65536, description="KV block size in tokens; default: from the replica's "
                                    "/metrics, else the platform's (128 Gaudi and CPU, 16 XPU and CUDA)")
-    num_gpu_blocks: int | None = Field(None, ge=1, description="KV cache size in blocks; default: from /metrics, "
+    num_gpu_blocks: int | None = Field(None, ge=1, le=2**31, description="KV cache size in blocks; default: from /metrics, "
                                        "else index.default_blocks")
-    prefill_tokens_per_s: float | None = Field(None, gt=0, description="prompt tokens per second; default: "
+    prefill_tokens_per_s: float | None = Field(None, gt=0, le=1e9, description="prompt tokens per second; default: "
                                                "learned from the replica's /metrics (uncached prompt tokens over "
                                                "vllm:request_prefill_time_seconds), until then the platform's "
                                                "per-device rate x TP x PP")
@@ -107,6 +111,13 @@ class ReplicaConfig(_Model):
             raise ValueError("must not carry a query or fragment")
         return v.rstrip("/")
 
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if v and not _NAME.fullmatch(v):
+            raise ValueError("may hold only letters, digits and . _ - : @ +")
+        return v
+
     @model_validator(mode="after")
     def _default_name(self) -> "ReplicaConfig":
         if not self.name:
@@ -114,6 +125,11 @@ class ReplicaConfig(_Model):
             port = parts.port or (443 if parts.scheme == "https" else 80)
             object.__setattr__(self, "name", f"{parts.hostname}:{port}")
         return self
+
+    @property
+    def shown_url(self) -> str:
+        """The URL with any password in it masked (for logs and the admin API)."""
+        return mask_url(self.url)
 
     @property
     def relative_speed(self) -> float:
@@ -339,6 +355,9 @@ class ClientConfig(_Model):
     max_header_bytes: int = Field(64 * 1024, ge=1024, description="request line and headers together; larger: 431 "
                                   "and the connection is closed")
     body_timeout_s: float = Field(30.0, gt=0, description="longest pause while a request body arrives; then 408")
+    body_total_timeout_s: float = Field(120.0, gt=0, description="a whole request body must arrive within this long "
+                                        "(a client dripping a byte now and then holds a connection no longer); then "
+                                        "408")
     send_timeout_s: float = Field(60.0, gt=0, description="a client that takes none of its answer's bytes for this "
                                   "long (it stopped reading) is disconnected, and the replica's request aborted")
     max_connections: int | None = Field(None, ge=1, description="client connections open at once; one more is "
@@ -417,6 +436,11 @@ class RouterConfig(_Model):
 _PASSWORD_IN_URL = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
 
 
+def mask_url(text: str) -> str:
+    """``text`` with the password of any URL in it replaced by ``***``."""
+    return _PASSWORD_IN_URL.sub(r"\1***@", text)
+
+
 class ConfigError(Exception):
     """Raised with a message that names each invalid field."""
 
@@ -431,7 +455,7 @@ def _format_validation_error(err: ValidationError, title: str = "invalid configu
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
         if isinstance(got, str):
-            got = _PASSWORD_IN_URL.sub(r"\1***@", got)  # a URL's password stays out of messages and logs
+            got = mask_url(got)  # a URL's password stays out of messages and logs
         shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {repr(got)[:longest]})"
         if "api_key" in loc or "admin_key" in loc:
             shown = ""

@@ -47,8 +47,14 @@ def forbidden(message: str) -> GatewayError:
     return GatewayError(403, message, "permission_error", "forbidden")
 
 
+def shown(value: str, limit: int = 200) -> str:
+    """``value`` for an error message or a log line: at most ``limit`` characters of it."""
+    return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} characters)"
+
+
 def model_not_found(model: str) -> GatewayError:
-    return GatewayError(404, f"The model `{model}` does not exist.", "not_found_error", "model_not_found", "model")
+    return GatewayError(404, f"The model `{shown(model)}` does not exist.", "not_found_error", "model_not_found",
+                        "model")
 
 
 def not_found(message: str) -> GatewayError:

@@ -153,7 +153,7 @@ class Replica:
         s = self.stats
         return {
             "name": self.name,
-            "url": self.url,
+            "url": self.config.shown_url,
             "state": self.state,
             "ready": self.ready,
             "models": sorted(self.models),
@@ -270,7 +270,7 @@ class ReplicaPool:
         r = self.replicas[cfg.name] = self._make(cfg)
         if self._started:
             self._spawn(r)
-        log.info("replica %s added (%s)", r.name, r.url, extra={"replica": r.name})
+        log.info("replica %s added (%s)", r.name, r.config.shown_url, extra={"replica": r.name})
         self.events.publish(ReplicaAdded(r.name))
         return r
 

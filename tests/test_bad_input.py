@@ -79,3 +79,17 @@ def test_the_stand_in_reads_lax_booleans_and_integers_as_vllm_does(cluster):
                                                       "max_tokens": "3"}, timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
     assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_huge_model_name_gets_a_small_answer_and_a_small_log_line(cluster):
+    rt = cluster.router([cluster.sim()])
+    log_before = len(rt.log_tail(10**9))
+    for size in (30 * 1024 * 1024, 5000):
+        r = HTTP.post(rt.url + CHAT, json={"model": "m" * size, "messages": [{"role": "user", "content": "x"}]},
+                      timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_too_long"
+        assert len(r.content) < 1000
+    r = HTTP.post(rt.url + CHAT, json={"model": "n" * 1000, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and len(r.content) < 1000  # a name no replica serves: shown cut short
+    wait_until(lambda: len(rt.log_tail(10**9)) > log_before, timeout=5)
+    assert len(rt.log_tail(10**9)) - log_before < 8000

@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 import time
 
+import pytest
+
 
 from helpers import HTTP, wait_until
 
@@ -90,12 +92,18 @@ def test_a_header_just_past_the_limit_in_one_write_gets_431(cluster):
     assert HTTP.get(sim.url + "/sim/state").json()["counters"]["received"] == 0
 
 
-def test_a_body_shorter_than_its_content_length_is_answered_408(cluster):
-    rt = cluster.router([cluster.sim()], *FAST)
+def short_body(rt, path: str) -> socket.socket:
+    """A connection that sent ``path`` a body shorter than its Content-Length, and stopped."""
     s = connect(rt)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-              b"content-length: 100\r\n\r\n{\"model\": ")
-    answer = read_all(s)
+    s.sendall(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: 100\r\n\r\n{\"model\": " % path.encode())
+    return s
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/admin/replicas"])
+def test_a_body_shorter_than_its_content_length_is_answered_408(cluster, path):
+    rt = cluster.router([cluster.sim()], *FAST)
+    answer = read_all(short_body(rt, path))
     assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer
     assert refused(rt, "body_timeout") == 1
 
@@ -154,3 +162,51 @@ def test_a_stream_longer_than_the_send_timeout_is_not_cut_while_the_client_reads
     assert r.status_code == 200
     assert body.count(b"data: {") == 40 and body.endswith(b"data: [DONE]\n\n")
     assert refused(rt, "send_timeout") == 0
+
+
+def test_a_body_dripped_a_byte_at_a_time_is_cut_off_at_the_whole_body_limit(cluster):
+    rt = cluster.router([cluster.sim()], "--set", "client.body_timeout_s=1", "--set", "client.body_total_timeout_s=2")
+    s = connect(rt)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: 1000\r\n\r\n")
+    started = time.monotonic()
+    s.settimeout(0.1)
+    answer = b""
+    while time.monotonic() - started < 8 and not answer:  # each pause shorter than the pause limit
+        try:
+            s.sendall(b" ")
+            answer = s.recv(65536)
+        except socket.timeout:
+            time.sleep(0.4)
+        except (BrokenPipeError, ConnectionResetError):
+            break
+    assert answer.startswith(b"HTTP/1.1 408") and b"took longer than 2 s" in answer
+    assert time.monotonic() - started < 4
+
+
+def test_an_admin_body_larger_than_its_limit_is_refused_before_it_is_read(cluster):
+    rt = cluster.router([cluster.sim()])
+    rss = lambda: float(next(line for line in HTTP.get(rt.url + "/metrics").text.splitlines()  # noqa: E731
+                             if line.startswith("process_resident_memory_bytes ")).split()[1])
+    before = rss()
+    s = connect(rt)
+    s.sendall(b"POST /admin/replicas HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: 209715200\r\n\r\n" + b" " * 65536)
+    assert read_all(s).startswith(b"HTTP/1.1 413")
+    s = connect(rt)  # no length given: read up to the limit, then refused
+    s.sendall(b"POST /admin/replicas HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"transfer-encoding: chunked\r\n\r\n")
+    try:
+        for _ in range(200):
+            s.sendall(b"10000\r\n" + b" " * 65536 + b"\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    assert read_all(s).startswith(b"HTTP/1.1 413")
+    assert rss() - before < 10 * 1024 * 1024
+
+
+def test_an_admin_client_leaving_mid_body_logs_no_traceback(cluster):
+    rt = cluster.router([cluster.sim()], *FAST)
+    short_body(rt, "/admin/replicas").close()
+    time.sleep(0.5)
+    assert "Traceback" not in rt.log_tail(100_000) and "ERROR" not in rt.log_tail(100_000)

@@ -174,6 +174,29 @@ def test_all_blocks_cleared_drops_the_replicas_blocks(cluster, model_root):
     assert index_of(rt, sim)["events"]["events"]["AllBlocksCleared"] == 1
 
 
+def test_a_replica_whose_events_never_remove_a_block_is_indexed_at_most_up_to_its_capacity(cluster, model_root):
+    """Its events claim ever more blocks (removals lost, or a lying engine): the index keeps no more than its KV
+    cache holds, evicting the oldest and counting them."""
+    sim = events_sim(cluster, model_root, "--num-gpu-blocks", "64")
+    rt = cluster.router([sim])
+    wait_precise(rt, [sim])
+    set_faults(sim, kv_drop_removals=True)
+    HTTP.post(sim.url + "/sim/kv_flood", json={"blocks_per_s": 20_000, "seconds": 2}, timeout=5).raise_for_status()
+    time.sleep(2.5)
+    wait_applied(rt, [sim])
+    index = index_of(rt, sim)
+    stored = index["events"]["blocks"]["stored"]
+    assert stored > 10 * 64, index  # the replica announced far more than it holds
+    assert index["event_blocks_held"] <= 64
+    assert index["events"]["blocks"]["evicted"] >= stored - 64
+
+    def indexed() -> list[float]:  # refreshed every 5 s
+        return [float(line.rsplit(" ", 1)[1]) for line in HTTP.get(rt.url + "/metrics").text.splitlines()
+                if line.startswith("kvroute_index_blocks{")]
+    wait_until(lambda: indexed() and indexed()[0] > 0, timeout=8)
+    assert indexed()[0] <= 64
+
+
 def test_a_silent_source_is_reconnected_and_caught_up_while_the_replica_serves(cluster, model_root):
     sim = events_sim(cluster, model_root)
     rt = cluster.router([sim], "--set", "kv_events.silence_s=1")

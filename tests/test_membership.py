@@ -42,6 +42,29 @@ def test_a_registration_with_an_invalid_field_is_refused_naming_it(cluster):
     assert r.status_code == 400 and "replica.url" in r.json()["error"]["message"]
 
 
+def test_names_that_could_not_be_deleted_or_would_grow_the_metrics_are_refused(cluster):
+    rt = cluster.router([cluster.sim()])
+    for name in ("a/b", "x" * 129, "tab\there", "ünï"):
+        r = HTTP.post(rt.url + ADMIN, json={"name": name, "url": "http://127.0.0.1:9"}, timeout=5)
+        assert r.status_code == 400 and "replica.name" in r.json()["error"]["message"], name
+        assert len(r.content) < 2000
+    r = HTTP.post(rt.url + ADMIN, json={"url": "http://127.0.0.1:9", "max_num_seqs": 10**12}, timeout=5)
+    assert r.status_code == 400 and "replica.max_num_seqs" in r.json()["error"]["message"]
+    ok = HTTP.post(rt.url + ADMIN, json={"name": "gaudi-node_7.rack:2", "url": "http://127.0.0.1:9"}, timeout=5)
+    assert ok.status_code == 201
+    assert HTTP.delete(rt.url + ADMIN + "/gaudi-node_7.rack:2", timeout=5).status_code == 202
+
+
+def test_a_password_in_a_replica_url_is_shown_nowhere(cluster):
+    sim = cluster.sim()
+    rt = cluster.router([sim])
+    url = f"http://user:s3cret-pw@127.0.0.1:{sim.port}"
+    r = HTTP.post(rt.url + ADMIN, json={"name": "with-creds", "url": url}, timeout=5)
+    assert r.status_code == 201 and "s3cret-pw" not in r.text and r.json()["url"].startswith("http://user:***@")
+    assert "s3cret-pw" not in HTTP.get(rt.url + ADMIN, timeout=5).text
+    assert "s3cret-pw" not in rt.log_tail(100_000)
+
+
 def test_registering_a_name_twice_is_a_conflict(cluster):
     a = cluster.sim()
     rt = cluster.router([a])

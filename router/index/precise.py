@@ -35,6 +35,9 @@ from . import CLEAR, GPU, REMOVE, SLOW, STORE, Match, Op, PrefixIndex, Probe, Re
 ModelOf = Callable[[str, "str | None"], "str | None"]
 
 
+_OFFLOAD_FACTOR = 5  # a replica that offloads may hold this many times its KV blocks (GPU and slower)
+
+
 @dataclass
 class Applied:
     """What one batch did, for the feed's counters."""
@@ -46,6 +49,7 @@ class Applied:
     orphans: int = 0  # stored blocks whose parent this index never saw: events were missed
     unknown_removed: int = 0  # removed blocks the map does not know
     unkeyed: int = 0  # stored blocks of a model keyed in byte mode here
+    evicted: int = 0  # held blocks dropped because the replica cannot hold that many: removals were lost
     block_sizes: set[int] = field(default_factory=set)
 
 
@@ -71,8 +75,10 @@ class SourceMap:
     last :meth:`take_changes` are kept, for a router that stores the map for others (the lease).
     """
 
-    def __init__(self, limit: int, journal: bool = False) -> None:
+    def __init__(self, limit: int, journal: bool = False, capacity: int | None = None) -> None:
         self.limit = limit
+        self.capacity = capacity or limit  # the replica's KV blocks
+        self.offloads = False  # it stores blocks on a slower medium too (CPU offloading): it may hold more
         self.held: dict[BlockHash, _Entry] = {}
         self.known: OrderedDict[BlockHash, _Entry] = OrderedDict()
         self.dropped = 0  # held entries dropped by the bound: their removals cannot be applied
@@ -84,14 +90,23 @@ class SourceMap:
         e = self.held.get(h)
         return e if e is not None else self.known.get(h)
 
-    def hold(self, h: BlockHash, e: _Entry) -> None:
+    def hold(self, h: BlockHash, e: _Entry) -> _Entry | None:
+        """``h`` is held (now the most recently stored); returns the entry dropped to make room, if any.
+
+        The replica cannot hold more blocks than its KV cache has (times ``_OFFLOAD_FACTOR`` once it offloads):
+        past that, its events lost removals (or lie), and the oldest held block goes.
+        """
         self.known.pop(h, None)
+        self.held.pop(h, None)
         self.held[h] = e
         self.touched(h)
-        if len(self.held) > 4 * self.limit:  # far more than the replica can hold: removals were lost
+        if len(self.held) > self.capacity * (_OFFLOAD_FACTOR if self.offloads else 1):
             old = next(iter(self.held))
+            dropped = self.held[old]
             self.forget_held(old)
             self.dropped += 1
+            return dropped
+        return None
 
     def touched(self, h: BlockHash) -> None:
         if self.journal:
@@ -213,13 +228,16 @@ class PreciseIndex:
 
     # -- events --------------------------------------------------------------------------------
 
-    def source(self, replica: str, rank: int, limit: int = 1024, journal: bool = False) -> SourceMap:
+    def source(self, replica: str, rank: int, limit: int = 1024, journal: bool = False,
+               capacity: int | None = None) -> SourceMap:
         key = (replica, rank)
         src = self._sources.get(key)
         if src is None:
-            src = self._sources[key] = SourceMap(limit, journal)
+            src = self._sources[key] = SourceMap(limit, journal, capacity)
         else:
             src.limit = limit
+            if capacity:
+                src.capacity = capacity
         return src
 
     def drop_sources(self, replica: str) -> None:
@@ -231,9 +249,10 @@ class PreciseIndex:
         """Blocks the replica's events say it holds (all its sources)."""
         return sum(len(s.held) for k, s in self._sources.items() if k[0] == replica)
 
-    async def apply_batch(self, replica: str, rank: int, batch: Batch, model_of: ModelOf, limit: int) -> Applied:
-        """Apply one batch of the replica's events, in order."""
-        src = self.source(replica, rank, limit)
+    async def apply_batch(self, replica: str, rank: int, batch: Batch, model_of: ModelOf, limit: int,
+                          capacity: int | None = None) -> Applied:
+        """Apply one batch of the replica's events, in order; ``capacity`` is the replica's KV blocks."""
+        src = self.source(replica, rank, limit, capacity=capacity)
         out = Applied()
         ops: dict[str, list[Op]] = {}
         for event in batch.events:
@@ -270,6 +289,8 @@ class PreciseIndex:
             return
         out.block_sizes.add(event.block_size)
         bit = GPU if event.medium in (None, "GPU", "gpu") else SLOW
+        if bit == SLOW:
+            src.offloads = True
         model_ops = ops.setdefault(model, [])
         parent = event.parent_block_hash
         if parent is None:
@@ -280,20 +301,27 @@ class PreciseIndex:
                 out.orphans += len(event.block_hashes)
                 return
             seed = p.key
-            out.reconfirmed += self._reconfirm(src, parent, p, bit, model_ops)
+            out.reconfirmed += self._reconfirm(src, parent, p, bit, ops, out)
         keys = chain_tokens(event.token_ids, event.block_size, seed)
         for h, k in zip(event.block_hashes, keys):
             e = src.find(h)
             if e is None or e.key != k:
                 e = _Entry(model, k, parent, 0)
             e.mask |= bit
-            src.hold(h, e)
             model_ops.append((STORE, k, bit))
+            self._hold(src, h, e, ops, out)
             parent = h
             out.stored += 1
 
     @staticmethod
-    def _reconfirm(src: SourceMap, h: BlockHash, e: _Entry, bit: int, model_ops: list[Op]) -> int:
+    def _hold(src: SourceMap, h: BlockHash, e: _Entry, ops: dict[str, list[Op]], out: Applied) -> None:
+        dropped = src.hold(h, e)
+        if dropped is not None:
+            ops.setdefault(dropped.model, []).append((REMOVE, dropped.key, GPU | SLOW))
+            out.evicted += 1
+
+    def _reconfirm(self, src: SourceMap, h: BlockHash, e: _Entry, bit: int, ops: dict[str, list[Op]],
+                   out: Applied) -> int:
         """The parent of a block just stored on ``bit`` is held there too, and so are its ancestors."""
         if bit != GPU:  # an offloaded block says nothing about where its parent is
             return 0
@@ -301,8 +329,8 @@ class PreciseIndex:
         current: _Entry | None = e
         while current is not None and not current.mask & GPU:
             current.mask |= GPU
-            src.hold(h, current)
-            model_ops.append((STORE, current.key, GPU))
+            ops.setdefault(current.model, []).append((STORE, current.key, GPU))
+            self._hold(src, h, current, ops, out)
             n += 1
             if current.parent is None:
                 break

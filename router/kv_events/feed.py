@@ -394,7 +394,8 @@ class EventFeed:
         return max(1024, 2 * f.replica.kv_blocks)
 
     async def _apply(self, f: ReplicaFeed, rank: int, batch: Batch) -> None:
-        applied = await self.index.apply_batch(f.name, rank, batch, self._model_of, self._limit(f))
+        applied = await self.index.apply_batch(f.name, rank, batch, self._model_of, self._limit(f),
+                                               max(1, f.replica.kv_blocks))
         if self.lease is not None:
             changed, gone = self.index.source(f.name, rank).take_changes()
             if not await self.lease.save(f.name, rank, batch.seq, batch.ts, changed, gone):
@@ -410,7 +411,7 @@ class EventFeed:
             kind = type(e).__name__
             f.events[kind] = f.events.get(kind, 0) + 1
             m.child(m.kv_events, f.name, kind).inc()
-        for op in ("stored", "removed", "reconfirmed", "orphans", "unkeyed"):
+        for op in ("stored", "removed", "reconfirmed", "orphans", "unkeyed", "evicted"):
             n = getattr(applied, op)
             if n:
                 f.blocks[op] = f.blocks.get(op, 0) + n
