@@ -73,6 +73,9 @@ class Faults:
     exit_after_chunks: int = -1
     stall_after_chunks: int = -1
     cut_bodies: int = 0  # the next N non-streaming answers stop halfway and the connection drops
+    # /v1/models also lists this many adapters, named adapter-{tag}-{i} (a new tag: LoRA adapters churning)
+    extra_models: int = 0
+    models_tag: str = "a"
 
 
 @dataclass
@@ -706,14 +709,17 @@ class VLLMSimulator:
     # -- metadata ----------------------------------------------------------------------------
 
     def models(self) -> dict[str, Any]:
+        f = self.faults
+        names = [(self.model, self.root)] + [(f"adapter-{f.models_tag}-{i}", f"/adapters/{f.models_tag}/{i}")
+                                             for i in range(f.extra_models)]
         return {"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": self.created, "owned_by": "vllm",
-            "root": self.root, "parent": None, "max_model_len": self.max_model_len,
+            "id": name, "object": "model", "created": self.created, "owned_by": "vllm",
+            "root": root, "parent": None if name == self.model else self.model, "max_model_len": self.max_model_len,
             "permission": [{"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission",
                             "created": self.created, "allow_create_engine": False, "allow_sampling": True,
                             "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                             "allow_fine_tuning": False, "organization": "*", "group": None,
-                            "is_blocking": False}]}]}
+                            "is_blocking": False}]} for name, root in names]}
 
     def render_metrics(self) -> str:
         lab = f'engine="0",model_name="{self.model}"'
@@ -986,7 +992,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def build(args: argparse.Namespace, index: int = 0) -> VLLMSimulator:
     """Replica ``index`` of the command line's: its own port, event ports, engine and seed."""
-    faults = Faults(**{k: getattr(args, k) for k in asdict(Faults())})
+    faults = Faults(**{k: getattr(args, k) for k in asdict(Faults()) if hasattr(args, k)})  # the rest via /sim/faults
     seed = None if args.seed is None else args.seed + index
     publisher = KvPublisher(args.host, args.kv_events_port + index if args.kv_events_port else 0,
                             None if args.no_kv_replay else (args.kv_replay_port + index if args.kv_replay_port else 0),

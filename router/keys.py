@@ -24,12 +24,14 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .background import Background
 from .config import ConfigError, PrefixConfig
-from .events import Event, EventBus, ReplicaModels
+from . import errors
+from .events import Event, EventBus, ReplicaModels, ReplicaRemoved
 from .metrics import Metrics
 from .prefix import PromptKey, key_for
 from .tokenizer import LocalTokenizer, TokenizerError, find_local
@@ -39,6 +41,7 @@ log = logging.getLogger("kvroute.keys")
 _INLINE_TOKENIZE_BYTES = 8192
 _ENCODERS = 2  # threads keying long prompts side by side (the tokenizer lets them run in parallel)
 _ENCODER_NICE = 10
+_WARN_EVERY_S = 60.0
 _FIRST_SAMPLES = 2  # answers before the first learned figure replaces the configured one
 _MIN_SAMPLES = 8  # answers before a later change
 _DECAY = 0.98  # weight of the past in the learned figure (about the last 50 answers count)
@@ -87,6 +90,9 @@ class PromptKeys:
         self._seen: set[str] = set(self._by_model)  # models the replicas serve (or configured)
         self._source: dict[str, str] = {m: f"prefix.tokenizers.{m}" for m in self._by_model}
         self._calibration: dict[str, _Calibration] = {}
+        self._served: dict[str, frozenset[str]] = {}  # replica -> the models it serves
+        self._warned_at = -_WARN_EVERY_S
+        self._unwarned = 0  # models without a tokenizer not warned about (one warning a minute at most)
         self._searching: set[str] = set()  # models whose tokenizer is being looked for
         self._background = Background()
         # long prompts are keyed on threads of their own, at a lower scheduling priority than the event loop's,
@@ -166,18 +172,36 @@ class PromptKeys:
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, ReplicaModels):
+            self._served[event.replica] = frozenset(m for m, _ in event.models)
             for model, root in event.models:
                 if model not in self._seen:
                     self._seen.add(model)
                     if self.auto and model not in self._by_model:
                         self._searching.add(model)
                         self._background.spawn(self._find(model, root))
+            self._forget_unserved()
+        elif isinstance(event, ReplicaRemoved):
+            self._served.pop(event.replica, None)
+            self._forget_unserved()
+
+    def _forget_unserved(self) -> None:
+        """What this router keeps per model follows the replicas that serve it (ids come and go: LoRA adapters)."""
+        served = set(self.cfg.tokenizers).union(*self._served.values())
+        for model in [m for m in self._seen | set(self._calibration) if m not in served]:
+            self._seen.discard(model)
+            self._calibration.pop(model, None)
+            if model not in self.cfg.tokenizers:
+                self._by_model.pop(model, None)
+                self._source.pop(model, None)
 
     async def _find(self, model: str, root: str | None) -> None:
         try:
             await self._search(model, root)
         finally:
             self._searching.discard(model)
+            if model not in self._seen:  # no replica serves it any more
+                self._by_model.pop(model, None)
+                self._source.pop(model, None)
 
     async def _search(self, model: str, root: str | None) -> None:
         found = await asyncio.to_thread(find_local, root, model)
@@ -190,9 +214,16 @@ class PromptKeys:
                 return
             except TokenizerError as e:
                 log.warning("prefix keys for model %s: cannot load the tokenizer in %s (%s)", model, where, e)
+        now = time.monotonic()
+        if now - self._warned_at < _WARN_EVERY_S:  # ids that come and go (adapters) must not flood the log
+            self._unwarned += 1
+            return
+        more = f" ({self._unwarned} more models since the last such warning)" if self._unwarned else ""
+        self._warned_at, self._unwarned = now, 0
         log.warning("prefix keys for model %s: no tokenizer on this host (root %r is not a local folder, nor in the "
                     "Hugging Face cache); keyed in byte mode with bytes per token learned from the replicas' "
-                    "answers. For exact keys set prefix.tokenizers.%s to the model's folder", model, root, model)
+                    "answers. For exact keys set prefix.tokenizers.%s to the model's folder%s",
+                    errors.shown(model), errors.shown(root or ""), errors.shown(model), more)
 
     def describe(self) -> dict[str, Any]:
         """Per model seen: how its prompts are keyed."""

@@ -162,15 +162,22 @@ class Metrics:
 
     def forget_replica(self, name: str) -> None:
         """Drop every series labelled with replica ``name`` (it was removed: its labels must not pile up)."""
+        self._forget("replica", name)
+
+    def forget_model(self, model: str) -> None:
+        """Drop every series labelled with model ``model`` (no replica serves it any more)."""
+        self._forget("model", model)
+
+    def _forget(self, label: str, value: str) -> None:
         for metric in list(self.__dict__.values()):
             labelnames = getattr(metric, "_labelnames", ())
-            if "replica" not in labelnames:
+            if label not in labelnames:
                 continue
-            at = labelnames.index("replica")
+            at = labelnames.index(label)
             for labels in list(getattr(metric, "_metrics", {})):
-                if labels[at] == name:
+                if labels[at] == value:
                     metric.remove(*labels)
-        self._children = {k: v for k, v in self._children.items() if name not in k[1]}
+        self._children = {k: v for k, v in self._children.items() if value not in k[1]}
 
     def render(self) -> bytes:
         if self._multiprocess_dir:

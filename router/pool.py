@@ -40,6 +40,10 @@ _CONTROL_HEADERS = b"user-agent: kvroute-health\r\naccept-encoding: identity\r\n
 _SHARE_EVERY_S = 1.0  # replicas alike share their prefill figures at most this often (see _share_prefill)...
 _SHARE_AT_ONCE_UP_TO = 64  # ...on a fleet larger than this; a smaller one shares each sample at once
 _MODELS_EVERY = 5  # on a fleet past the control budget, /v1/models is read with one health check in this many
+MAX_MODELS = 1024  # model ids kept per replica (a base model and its LoRA adapters); ids past this are ignored
+_MAX_ID_CHARS = 1024  # longer model ids are ignored (clients cannot name them either)
+_CARD_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission")
+_MAX_CARD_BYTES = 4096
 _CONTROL_MAX_BYTES = 32 << 20  # a /metrics page larger than this is not a replica's
 
 
@@ -62,6 +66,7 @@ class Replica:
         self.state: State = "starting"
         self.default_blocks = default_blocks  # KV blocks assumed while neither config nor /metrics says
         self.model_cards: dict[str, dict[str, Any]] = {}
+        self.models_capped = False  # it listed more than MAX_MODELS (warned once)
         self.models: frozenset[str] = frozenset(config.models)
         self.stats: ReplicaStats | None = None
         self.stats_at: float | None = None
@@ -189,6 +194,16 @@ class Replica:
         }
 
 
+def _small_card(card: dict[str, Any]) -> dict[str, Any]:
+    """A model card with vLLM's fields only, and only its id, object and root where those weigh too much."""
+    out = {k: card[k] for k in _CARD_FIELDS if k in card}
+    if len(json.dumps(out, default=str)) > _MAX_CARD_BYTES:
+        root = card.get("root")
+        out = {"id": card["id"], "object": "model",
+               "root": root if isinstance(root, str) and len(root) <= _MAX_ID_CHARS else None}
+    return out
+
+
 def _roots(cards: dict[str, dict[str, Any]]) -> tuple[tuple[str, str | None], ...]:
     """(served name, root folder or hub name) of each model card."""
     return tuple(sorted((m, c["root"] if isinstance(c.get("root"), str) else None) for m, c in cards.items()))
@@ -281,6 +296,7 @@ class ReplicaPool:
         if r is None:
             return
         self.events.publish(ReplicaRemoved(name))  # while listeners can still look the replica up
+        before = self.served_models()
         tasks = self._tasks.pop(name, [])
         for t in tasks:
             t.cancel()
@@ -290,6 +306,7 @@ class ReplicaPool:
         _close(r)
         self.load.remove(name)
         self.metrics.forget_replica(name)
+        self._forget_models(before)
         log.info("replica %s removed", name, extra={"replica": name})
 
     # -- queries ---------------------------------------------------------------------------
@@ -466,12 +483,21 @@ class ReplicaPool:
         self.mark_success(r)
 
     def _set_models(self, r: Replica, payload: Any) -> None:
-        cards = {}
-        for card in (payload or {}).get("data", []) if isinstance(payload, dict) else []:
-            if isinstance(card, dict) and isinstance(card.get("id"), str):
-                cards[card["id"]] = card
+        """What the replica's /v1/models says it serves: at most :data:`MAX_MODELS` ids, each card kept small."""
+        cards: dict[str, dict[str, Any]] = {}
+        listed = (payload or {}).get("data", []) if isinstance(payload, dict) else []
+        for card in listed if isinstance(listed, list) else []:
+            if isinstance(card, dict) and isinstance(card.get("id"), str) and 0 < len(card["id"]) <= _MAX_ID_CHARS:
+                if len(cards) >= MAX_MODELS:
+                    if not r.models_capped:
+                        r.models_capped = True
+                        log.warning("replica %s lists more than %d models: the rest are ignored", r.name, MAX_MODELS,
+                                    extra={"replica": r.name})
+                    break
+                cards[card["id"]] = _small_card(card)
         roots = _roots(cards)
         changed = roots != _roots(r.model_cards)
+        before = self.served_models() if changed else set()
         r.model_cards = cards
         if not r.config.models:
             models = frozenset(cards)
@@ -480,6 +506,19 @@ class ReplicaPool:
                 r.view = r.make_view()
         if changed:
             self.events.publish(ReplicaModels(r.name, roots))
+            self._forget_models(before)
+
+    def served_models(self) -> set[str]:
+        """Every model some replica serves (ready or not)."""
+        out: set[str] = set()
+        for r in self.replicas.values():
+            out |= r.models
+        return out
+
+    def _forget_models(self, before: set[str]) -> None:
+        """Models served before and by no replica now: their metric series go."""
+        for model in before - self.served_models():
+            self.metrics.forget_model(model)
 
     async def scrape(self, r: Replica) -> None:
         """One scrape of /metrics: engine load, KV usage and size, restarts."""

@@ -7,7 +7,7 @@ import threading
 import time
 
 
-from helpers import HTTP, replica_names as names, replicas_view, sse_events, wait_until
+from helpers import HTTP, replica_names as names, replicas_view, set_faults, sse_events, wait_until
 
 ADMIN = "/admin/replicas"
 
@@ -159,3 +159,30 @@ def test_a_replica_registered_while_it_warms_up_is_starting_then_joins_without_a
     assert replicas_view(rt)[warming.url]["state"] == "starting"
     wait_until(lambda: replicas_view(rt)[warming.url]["state"] == "ready", timeout=15, interval=0.2)
     assert "WARNING" not in rt.log_tail(100_000)[len(before):]
+
+
+def _sizes(rt) -> tuple[int, int, int]:
+    return (len(HTTP.get(rt.url + ADMIN, timeout=10).content), len(HTTP.get(rt.url + "/metrics", timeout=10).content),
+            len(HTTP.get(rt.url + "/v1/models", timeout=10).content))
+
+
+def test_model_ids_a_replica_lists_are_bounded_and_forgotten_with_it(cluster):
+    from router.pool import MAX_MODELS
+    sim, other = cluster.sim(), cluster.sim()
+    rt = cluster.router([other, sim], "--set", "health.interval_s=0.2")
+    for i in range(5):  # per-model metric series, as traffic makes them
+        HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": f"x {i}", "max_tokens": 1}, timeout=5)
+    before = _sizes(rt)
+    set_faults(sim, extra_models=5000)
+    wait_until(lambda: len(HTTP.get(rt.url + "/v1/models").json()["data"]) == MAX_MODELS, timeout=10)
+    assert rt.log_tail(1_000_000).count("lists more than") == 1
+    for tag in "bcdefghij":  # adapters churning at every health check
+        set_faults(sim, models_tag=tag)
+        time.sleep(0.3)
+    assert rt.log_tail(1_000_000).count("no tokenizer on this host") <= 2
+    set_faults(sim, extra_models=0)
+    wait_until(lambda: len(HTTP.get(rt.url + "/v1/models").json()["data"]) == 1, timeout=10)
+    keys = HTTP.get(rt.url + ADMIN).json()["prompt_keys"]
+    assert set(keys) == {"tiny"}
+    after = _sizes(rt)
+    assert all(a <= 1.1 * b for a, b in zip(after, before)), (before, after)
