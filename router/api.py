@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from . import __version__, errors
+from . import __version__, errors, hops
 from .admission import Admission
 from .auth import Auth
 from .candidates import Candidates
@@ -102,8 +102,10 @@ class Gateway:
         if self.store is not None and config.shared_load.enabled:
             self.shared_load = SharedLoad(self.store, self.load, config.shared_load,
                                           share.host_id if share is not None else new_host_id(), worker)
+        self.instance = hops.instance_id()
         self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.load, self.events,
-                                default_blocks=config.index.default_blocks, shared=self.shared_load)
+                                default_blocks=config.index.default_blocks, shared=self.shared_load,
+                                instance=self.instance)
         index: PreciseIndex | None = None
         keys: PromptKeys | None = None
         self.feed: EventFeed | None = None
@@ -241,6 +243,7 @@ class ProxyEndpoint:
         request_id = request_id_from(headers)
         try:
             self.gw.auth.check_client(headers)
+            via = hops.via_line(headers, self.gw.instance)
             body, payload, route = await self.read(headers, receive, request_id)
         except GatewayError as e:
             self.gw.metrics.requests.labels("", "none", str(e.status)).inc()
@@ -252,7 +255,7 @@ class ProxyEndpoint:
         model = route.model
         call = Call(
             path=self.path, body=body, model=model, stream=stream,
-            request_id=request_id, headers=client_headers(headers), started=started, route=route,
+            request_id=request_id, headers=client_headers(headers) + via, started=started, route=route,
             resume=transcript_for(self.path, payload) if stream and self.failover else None,
         )
         await self.gw.forwarder(call, receive, send)
@@ -339,6 +342,7 @@ class StoredResponseEndpoint:
         request_id = request_id_from(headers)
         try:
             self.gw.auth.check_client(headers)
+            via = hops.via_line(headers, self.gw.instance)
             home = await self.gw.response_home(valid_id(response_id, "response_id"))
         except GatewayError as e:
             self.gw.metrics.requests.labels("", "none", str(e.status)).inc()
@@ -349,7 +353,8 @@ class StoredResponseEndpoint:
         stream = scope["method"] == "GET" and b"stream=true" in query.lower()
         route = RouteRequest(model=None, request_id=request_id, endpoint=_RESPONSES, pinned=home)
         call = Call(path=path, body=b"", model=None, stream=stream, request_id=request_id,
-                    headers=client_headers(headers), started=started, route=route, method=scope["method"].encode())
+                    headers=client_headers(headers) + via, started=started, route=route,
+                    method=scope["method"].encode())
         await self.gw.forwarder(call, receive, send)
 
 
@@ -436,7 +441,7 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
 
     @app.get("/health")
     async def health() -> Response:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok"}, headers={hops.INSTANCE: gw.instance})
 
     @app.get("/ready")
     async def ready() -> Response:
@@ -456,7 +461,8 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         gw.auth.check_client(request.scope["headers"])
-        return JSONResponse({"object": "list", "data": list(gw.pool.ready_models().values())})
+        return JSONResponse({"object": "list", "data": list(gw.pool.ready_models().values())},
+                            headers={hops.INSTANCE: gw.instance})
 
     def _admin(request: Request) -> None:
         client = request.scope.get("client")
@@ -524,6 +530,10 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
             data = orjson.loads(body)
         except ValueError as e:
             raise errors.bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        url = data.get("url") if isinstance(data, dict) else None
+        if isinstance(url, str) and await gw.pool.reaches_this_router(url):
+            raise errors.bad_request("replica.url reaches this router itself: a replica must be a vLLM server", "url",
+                                     "replica_is_this_router")
         try:
             cfg = await gw.membership.register(data)
         except MembershipError as e:

@@ -23,6 +23,7 @@ import time
 from typing import Any, Literal, Sequence
 
 from .config import HealthConfig, IndexConfig, PLATFORMS, ProxyConfig, ReplicaConfig
+from . import hops
 from .events import (EventBus, ReplicaAdded, ReplicaModels, ReplicaReady, ReplicaRemoved, ReplicaRestarted,
                      ReplicaUnready)
 from .load import LoadTable
@@ -50,6 +51,10 @@ _CONTROL_MAX_BYTES = 32 << 20  # a /metrics page larger than this is not a repli
 class _TooLarge(UpstreamError):
     """A health-check or /metrics answer larger than :data:`_CONTROL_MAX_BYTES`."""
 
+
+class _ThisRouter(UpstreamError):
+    """The replica's URL reaches this very router (its answer carries this router's instance id)."""
+
 State = Literal["starting", "ready", "unready"]
 
 
@@ -67,6 +72,7 @@ class Replica:
         self.default_blocks = default_blocks  # KV blocks assumed while neither config nor /metrics says
         self.model_cards: dict[str, dict[str, Any]] = {}
         self.models_capped = False  # it listed more than MAX_MODELS (warned once)
+        self.loops_back = False  # its URL reaches the router itself (warned once)
         self.models: frozenset[str] = frozenset(config.models)
         self.stats: ReplicaStats | None = None
         self.stats_at: float | None = None
@@ -220,7 +226,9 @@ class ReplicaPool:
         events: EventBus | None = None,
         default_blocks: int = _DEFAULT_BLOCKS,
         shared: SharedLoad | None = None,
+        instance: str | None = None,
     ) -> None:
+        self.instance = instance  # this router's id (router.hops): a replica answering with it is this router
         self.health = health
         self.shared = shared  # the other routers' load on each replica, with a Redis index
         self.load = load
@@ -452,6 +460,9 @@ class ReplicaPool:
         timeout = self.health.timeout_s
         async with asyncio.timeout(timeout):
             resp = await r.control.request(b"GET", path, _CONTROL_HEADERS + r.header_lines, b"", timeout)
+            if self.instance is not None and resp.header(hops.INSTANCE.encode()) == self.instance.encode():
+                resp.release()
+                raise _ThisRouter("this URL reaches this router itself")
             try:
                 body = await resp.read(_CONTROL_MAX_BYTES, timeout)
                 if not resp.complete:
@@ -459,6 +470,26 @@ class ReplicaPool:
             finally:
                 resp.release()
         return resp.status, body
+
+    async def reaches_this_router(self, url: str) -> bool:
+        """Whether ``url`` answers as this very router (asked once, within 2 s; unreachable: no)."""
+        if self.instance is None:
+            return False
+        try:
+            probe = UpstreamPool(url.rstrip("/"), min(1.0, self.proxy.connect_timeout_s))
+        except Exception:  # not a URL it can use: the registration's own checks say why
+            return False
+        try:
+            async with asyncio.timeout(2.0):
+                resp = await probe.request(b"GET", "/health", _CONTROL_HEADERS, b"", 2.0)
+                try:
+                    return resp.header(hops.INSTANCE.encode()) == self.instance.encode()
+                finally:
+                    resp.release()
+        except (UpstreamError, TimeoutError, OSError):
+            return False
+        finally:
+            probe.close()
 
     async def check(self, r: Replica) -> None:
         """One health check: /health, then /v1/models (on a large fleet not every time: see :meth:`_models_due`)."""
@@ -476,6 +507,13 @@ class ReplicaPool:
                 self._set_models(r, json.loads(body))
         except ConnectFailed as e:
             self.mark_failure(r, f"connection failed: {e}", immediate=True)
+            return
+        except _ThisRouter as e:
+            if not r.loops_back:
+                r.loops_back = True
+                log.warning("replica %s is this router itself (%s): it is never routed to; remove it", r.name,
+                            r.config.shown_url, extra={"replica": r.name})
+            self.mark_failure(r, str(e), immediate=True)
             return
         except (UpstreamError, TimeoutError, ValueError) as e:
             self.mark_failure(r, f"health check failed: {e.__class__.__name__}")

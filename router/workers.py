@@ -23,6 +23,7 @@ import tempfile
 import time
 from typing import Any
 
+from . import hops
 from .config import ConfigError, RouterConfig
 
 log = logging.getLogger("kvroute.workers")
@@ -82,6 +83,7 @@ def run(config: RouterConfig) -> int:
         return 1
     share = HostShare(config.workers, config.membership.max_replicas,
                       session_slots=config.sessions.max_local if config.index.backend == "memory" else 0)
+    hops.share_with_workers()
     ctx = multiprocessing.get_context("fork")
     procs: list[Any] = [None] * config.workers
     stopping = {"signal": 0}

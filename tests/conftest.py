@@ -32,14 +32,14 @@ class Cluster:
         return p
 
     def router(self, replicas: list[Proc] | list[str], *args: str, config: dict | None = None,
-               env: dict[str, str] | None = None, wait_ready: bool = True) -> Proc:
+               env: dict[str, str] | None = None, wait_ready: bool = True, port: int | None = None) -> Proc:
         urls = [r.url if isinstance(r, Proc) else r for r in replicas]
         extra = list(args)
         if config is not None:
             path = self.log_dir / f"router-{len(self.procs)}.yaml"
             path.write_text(yaml.safe_dump(config))
             extra = ["--config", str(path), *extra]
-        p = router(urls, *extra, log_dir=self.log_dir, env=env)
+        p = router(urls, *extra, log_dir=self.log_dir, env=env, port=port)
         self.procs.append(p.start())
         p.wait_http("/health")
         if wait_ready:

@@ -186,3 +186,43 @@ def test_model_ids_a_replica_lists_are_bounded_and_forgotten_with_it(cluster):
     assert set(keys) == {"tiny"}
     after = _sizes(rt)
     assert all(a <= 1.1 * b for a, b in zip(after, before)), (before, after)
+
+
+def test_a_router_refuses_to_register_itself(cluster):
+    rt = cluster.router([cluster.sim()])
+    r = HTTP.post(rt.url + ADMIN, json={"name": "me", "url": rt.url}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "replica_is_this_router"
+    assert "me" not in names(rt)
+
+
+def test_a_configured_replica_that_is_the_router_itself_never_takes_traffic(cluster):
+    """Given its own address among the replicas (a config written for another host), the router finds itself
+    at the first health check and keeps it out; /ready counts only the real replica."""
+    from loadtest.cluster import free_port
+    port = free_port()
+    sim = cluster.sim()
+    rt = cluster.router([sim, f"http://127.0.0.1:{port}"], port=port)
+    wait_until(lambda: "this router itself" in rt.log_tail(), timeout=10)
+    assert HTTP.get(rt.url + "/ready").json()["ready_replicas"] == 1
+    assert served_by(rt, 10) == {f"127.0.0.1:{sim.port}"}
+    set_faults(sim, health_status=503)
+    wait_until(lambda: HTTP.get(rt.url + "/ready").status_code == 503, timeout=10)
+
+
+def test_two_routers_pointing_at_each_other_cut_the_loop_at_the_first_repeated_hop(cluster):
+    from loadtest.cluster import free_port
+    port_a, port_b = free_port(), free_port()
+    a = cluster.router([], config={"replicas": [{"url": f"http://127.0.0.1:{port_b}", "models": ["tiny"]}]},
+                       port=port_a, wait_ready=False)
+    b = cluster.router([], config={"replicas": [{"url": f"http://127.0.0.1:{port_a}", "models": ["tiny"]}]},
+                       port=port_b, wait_ready=False)
+    wait_until(lambda: HTTP.get(a.url + "/ready").status_code == 200, timeout=10)  # each sees the other ready
+    wait_until(lambda: HTTP.get(b.url + "/ready").status_code == 200, timeout=10)
+    r = HTTP.post(a.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=30)
+    assert r.status_code == 508 and r.json()["error"]["code"] == "request_loop", r.text
+    counted = {}
+    for name, rt in (("a", a), ("b", b)):  # a -> b -> a, cut there: a counts the client's and the looped one
+        m = HTTP.get(rt.url + "/metrics").text
+        counted[name] = sum(float(line.rsplit(" ", 1)[1]) for line in m.splitlines()
+                            if line.startswith("kvroute_requests_total"))
+    assert counted == {"a": 2, "b": 1}

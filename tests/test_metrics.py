@@ -87,3 +87,9 @@ def test_replica_readiness_and_engine_stats(cluster):
     wait_until(lambda: value(scrape(rt.url), "kvroute_replica_ready", replica="r") == 1, timeout=3)
     sim.kill()
     wait_until(lambda: value(scrape(rt.url), "kvroute_replica_ready", replica="r") == 0, timeout=2)
+
+
+def test_counters_export_no_created_series(cluster):
+    rt = cluster.router([cluster.sim()])
+    HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=5)
+    assert "_created" not in HTTP.get(rt.url + "/metrics").text
