@@ -362,6 +362,10 @@ class ClientConfig(_Model):
                                   "long (it stopped reading) is disconnected, and the replica's request aborted")
     max_connections: int | None = Field(None, ge=1, description="client connections open at once; one more is "
                                         "closed at once. Default: 80% of the process's file-descriptor limit")
+    max_connections_per_address: int | None = Field(None, ge=1, description="client connections open at once from "
+                                                    "one address; one more is closed at once. Default: half of "
+                                                    "client.max_connections (behind a load balancer every client "
+                                                    "shares its address: raise it to client.max_connections)")
 
 
 class MembershipConfig(_Model):

@@ -63,6 +63,7 @@ _WHY = {
     "header_timeout": "its request headers did not arrive within client.header_timeout_s",
     "header_too_large": "its request headers are larger than client.max_header_bytes",
     "too_many_connections": "client.max_connections connections are open",
+    "too_many_from_address": "its address has client.max_connections_per_address connections open",
     "body_timeout": "its request body stalled longer than client.body_timeout_s",
 }
 
@@ -78,6 +79,8 @@ def listener_class(cfg: ClientConfig, refused: Refusals) -> type[HttpToolsProtoc
     if cfg.max_connections is None:
         log.info("client connections: at most %d (80%% of this process's file-descriptor limit; "
                  "client.max_connections sets it)", max_connections)
+    per_address = cfg.max_connections_per_address or max(1, max_connections // 2)
+    open_from: dict[str, int] = {}  # connections open per client address (a bounded number of them)
 
     class Listener(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
@@ -85,16 +88,32 @@ def listener_class(cfg: ClientConfig, refused: Refusals) -> type[HttpToolsProtoc
         _head_bytes = 0
         _head_tail = b""  # the last bytes of the head so far: its end may be split across reads
 
+        _address: str | None = None  # counted in open_from
+
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if len(self.connections) > max_connections:
                 refused("too_many_connections", self.client)
                 transport.abort()
                 return
+            address = self.client[0] if self.client else None
+            if address is not None:
+                n = open_from.get(address, 0)
+                if n >= per_address:
+                    refused("too_many_from_address", self.client)
+                    transport.abort()
+                    return
+                open_from[address] = n + 1
+                self._address = address
             self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._address is not None:
+                left = open_from.pop(self._address, 1) - 1
+                if left > 0:
+                    open_from[self._address] = left
+                self._address = None
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:

@@ -120,7 +120,8 @@ class Metrics:
             "kvroute_index_errors", "Failed or too slow calls to the shared (Redis) index.", ["op"], registry=r)
         self.client_refused = Counter(
             "kvroute_client_refused", "Client connections or requests refused before they were read: header_timeout, "
-            "header_too_large, too_many_connections, body_timeout, send_timeout (took no bytes of its answer).", ["reason"], registry=r)
+            "header_too_large, too_many_connections, too_many_from_address, body_timeout, send_timeout (took no bytes of its "
+            "answer).", ["reason"], registry=r)
         self.index_fallback = Gauge(
             "kvroute_index_fallback", "1 while lookups are answered by the local index because Redis failed or was "
             "too slow (until a lookup reaches Redis again).", registry=r, multiprocess_mode="livemax")

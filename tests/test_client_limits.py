@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 
+import httpx
 import pytest
 
 
@@ -109,7 +110,8 @@ def test_a_body_shorter_than_its_content_length_is_answered_408(cluster, path):
 
 
 def test_connections_past_the_limit_are_closed_at_once_and_logged(cluster):
-    rt = cluster.router([cluster.sim()], "--set", "client.max_connections=8", "--set", "client.header_timeout_s=1")
+    rt = cluster.router([cluster.sim()], "--set", "client.max_connections=8", "--set", "client.header_timeout_s=1",
+                        "--set", "client.max_connections_per_address=100")
     idle = [connect(rt) for _ in range(12)]
     try:
         closed = 0
@@ -210,3 +212,19 @@ def test_an_admin_client_leaving_mid_body_logs_no_traceback(cluster):
     short_body(rt, "/admin/replicas").close()
     time.sleep(0.5)
     assert "Traceback" not in rt.log_tail(100_000) and "ERROR" not in rt.log_tail(100_000)
+
+
+def test_one_address_cannot_take_every_connection(cluster):
+    """Idle sockets from one address fill its own share only: a client from another address still gets in."""
+    rt = cluster.router([cluster.sim()], "--set", "client.max_connections=20", "--set",
+                        "client.max_connections_per_address=5", "--set", "client.header_timeout_s=5")
+    idle = [connect(rt) for _ in range(8)]
+    # another address of this host
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=5) as other:
+        try:
+            assert other.get(rt.url + "/health").status_code == 200
+            text = other.get(rt.url + "/metrics").text
+            assert 'kvroute_client_refused_total{reason="too_many_from_address"} 3.0' in text
+        finally:
+            for s in idle:
+                s.close()
