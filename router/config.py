@@ -167,6 +167,10 @@ class HealthConfig(_Model):
                              "or silent stream) take it out of rotation, however its /health answers")
     eject_s: float = Field(30.0, gt=0, description="how long such a replica stays out; doubled each time it is taken "
                            "out again soon after (at most 10 times this)")
+    stall_s: float = Field(10.0, gt=0, description="a replica that has answered none of the requests waiting on it "
+                           "for this long, while its /metrics show its engine making no progress (accepts requests, "
+                           "answers none), is taken out like an ejected one, and the requests waiting on it are sent "
+                           "to another replica")
     startup_timeout_s: float = Field(900.0, gt=0, description="a replica not yet ready this long after it was added "
                                      "is reported as failed to start; until then it is starting, not failing (Gaudi "
                                      "warm-ups take up to ~10 minutes)")

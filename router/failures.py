@@ -42,6 +42,8 @@ KINDS: dict[str, FailureKind] = {k.label: k for k in (
     # a JSON answer cut short while the router still held it: nothing reached the client
     _kind("body_broken", True, "count", 502, "upstream_error", "upstream_disconnected",
           "ended its answer early"),
+    # taken out while the request waited: it answered nothing for health.stall_s and its engine did not move
+    _kind("stalled", True, "ignore", 504, "upstream_error", "upstream_stalled", "answered nothing for too long"),
     # after the first byte the answer is committed: never retried, ended with an SSE error event
     _kind("stream_broken", False, "count", 502, "upstream_error", "upstream_disconnected",
           "the replica ended the stream unexpectedly"),

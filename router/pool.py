@@ -31,7 +31,7 @@ from .metrics import Metrics
 from .prefill import PrefillEstimate
 from .replica_metrics import ReplicaStats, parse_metrics
 from .shared_load import SharedLoad
-from .upstream import ConnectFailed, UpstreamError, UpstreamPool
+from .upstream import ConnectFailed, Stalled, UpstreamError, UpstreamPool
 from .view import ReplicaView, with_load, with_others
 
 log = logging.getLogger("kvroute.pool")
@@ -73,6 +73,8 @@ class Replica:
         self.model_cards: dict[str, dict[str, Any]] = {}
         self.models_capped = False  # it listed more than MAX_MODELS (warned once)
         self.loops_back = False  # its URL reaches the router itself (warned once)
+        self.progress = -1.0  # its engine's prompt + generated tokens at the last scrape ...
+        self.progress_at = time.monotonic()  # ... and when that last changed
         self.models: frozenset[str] = frozenset(config.models)
         self.stats: ReplicaStats | None = None
         self.stats_at: float | None = None
@@ -580,6 +582,7 @@ class ReplicaPool:
             self._share_prefill(r)
         r.stats = stats
         r.stats_at = time.time()
+        self._judge_stall(r, stats)
         # The engine's count includes this router's requests. Any of them may have started or ended
         # while the scrape was under way, so subtract the most this router had there meanwhile:
         # what is left is load from other clients (other router instances, direct traffic).
@@ -589,6 +592,33 @@ class ReplicaPool:
         r.view = r.make_view()
         self.metrics.replica_engine_load.labels(r.name).set(stats.running + stats.waiting)
         self.metrics.replica_kv_usage.labels(r.name).set(stats.kv_usage)
+
+    def _judge_stall(self, r: Replica, stats: ReplicaStats) -> None:
+        """A replica that accepts requests and answers none: none of the requests waiting on it answered for
+        ``health.stall_s``, and its engine counted no new prompt or output token meanwhile (a long generation
+        keeps counting). It goes out like an ejected replica, and the requests waiting on it go elsewhere."""
+        now = time.monotonic()
+        moved = stats.prompt_tokens + stats.generation_tokens
+        if moved != r.progress:
+            r.progress, r.progress_at = moved, now
+            return
+        if r.state != "ready" or r.upstream is None or now - r.progress_at < self.health.stall_s:
+            return
+        waited = r.upstream.unanswered_for(now)
+        if waited < self.health.stall_s:
+            return
+        backoff = min(self.health.eject_s * 2 ** r.ejections, 10 * self.health.eject_s)
+        r.ejections += 1
+        r.ejected_until = now + backoff
+        r.successes = 0
+        r.last_error = (f"stalled: answered none of its requests for {waited:.0f} s and its engine made no progress; "
+                        f"out for {backoff:g} s")
+        self.metrics.replica_ejections.labels(r.name).inc()
+        log.warning("replica %s %s", r.name, r.last_error, extra={"replica": r.name})
+        self._take_out(r, r.last_error)
+        moved_on = r.upstream.abort_unanswered(Stalled(f"replica {r.name} stalled"))
+        log.info("replica %s: %d waiting request(s) sent on to other replicas", r.name, moved_on,
+                 extra={"replica": r.name})
 
     def _share_prefill(self, r: Replica) -> None:
         """Average the prefill figures of the replicas alike ``r`` and hand them to each of them.

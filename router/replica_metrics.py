@@ -20,6 +20,7 @@ _SUMMED = {
     "vllm:gpu_prefix_cache_hits_total": "prefix_hits",
     "vllm:gpu_prefix_cache_queries_total": "prefix_queries",
     "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:generation_tokens_total": "generation_tokens",
     "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
     "vllm:request_prefill_time_seconds_count": "prefill_requests",
 }
@@ -41,6 +42,7 @@ class ReplicaStats:
     kv_usage: float = 0.0
     prefix_hits: float = 0.0
     prefix_queries: float = 0.0
+    generation_tokens: float = 0.0  # counter: tokens generated (with prompt_tokens: whether its engine moves)
     prompt_tokens: float = 0.0  # counters since the replica started: prompt tokens (cached or not),
     prefill_seconds: float = 0.0  # ... time requests spent in prefill, summed, and how many requests
     prefill_requests: float = 0.0

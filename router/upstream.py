@@ -73,6 +73,13 @@ class ReadTimeout(UpstreamTimeout):
     kind = "timeout"
 
 
+class Stalled(UpstreamError):
+    """The replica answered none of its requests for a while, and its engine made no progress: it was taken out,
+    and the requests still waiting for it are sent elsewhere."""
+
+    kind = "stalled"
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -169,6 +176,7 @@ class UpstreamResponse:
     def _headers_done(self, status: int) -> None:
         self.status = status
         self.got_bytes = True
+        self._pool._answered(self)
         if not self._headers_ready.done():
             self._headers_ready.set_result(None)
 
@@ -195,6 +203,7 @@ class UpstreamResponse:
             self._fail(RemoteClosed("the replica closed the connection mid-response"))
 
     def _fail(self, error: UpstreamError) -> None:
+        self._pool._unanswered.pop(self, None)
         if self._error is None:
             self._error = error
         if not self._headers_ready.done():
@@ -253,6 +262,7 @@ class UpstreamResponse:
         return bytes(buf)
 
     def release(self) -> None:
+        self._pool._unanswered.pop(self, None)
         """Done with the response: the connection goes back to the pool only if the exchange is complete."""
         if self._released:
             return
@@ -274,13 +284,15 @@ class UpstreamPool:
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if parts.scheme == "https" else None
         self.prefix = parts.path.rstrip("/").encode()
-        self.host_header = (parts.netloc or self.host).encode()
+        self.host_header = (parts.netloc.rpartition("@")[2] or self.host).encode()  # never a URL's credentials
         self.connect_timeout = connect_timeout
         # Idle connections are dropped before the replica's own keep-alive timeout (uvicorn: 5 s)
         # would close them under us.
         self.idle_expiry = idle_expiry
         self._idle: list[_Connection] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._unanswered: dict[UpstreamResponse, float] = {}  # request sent at (monotonic)
+        self.last_answer = time.monotonic()  # a status line from the replica, to any request
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -328,6 +340,7 @@ class UpstreamPool:
             conn = self._take_idle() or await self._connect()
             resp = UpstreamResponse(conn, self)
             conn.response = resp
+            self._unanswered[resp] = time.monotonic()
             assert conn.transport is not None
             try:
                 conn.transport.write(payload)
@@ -344,6 +357,26 @@ class UpstreamPool:
             except BaseException:
                 resp.release()
                 raise
+
+    # -- requests the replica has not answered (a replica that accepts requests and answers none) ----
+
+    def _answered(self, resp: "UpstreamResponse") -> None:
+        self._unanswered.pop(resp, None)
+        self.last_answer = time.monotonic()
+
+    def unanswered_for(self, now: float) -> float:
+        """Seconds the oldest request still waiting for its status line has waited, counted from this replica's
+        last answer to any request if that came later; 0 when none waits."""
+        if not self._unanswered:
+            return 0.0
+        return min(now - min(self._unanswered.values()), now - self.last_answer)
+
+    def abort_unanswered(self, error: UpstreamError) -> int:
+        """Fail every request still waiting for its status line (their senders try elsewhere); how many."""
+        waiting = list(self._unanswered)
+        for resp in waiting:
+            resp._fail(error)
+        return len(waiting)
 
     def close(self) -> None:
         for conn in self._idle:

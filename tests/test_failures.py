@@ -272,3 +272,30 @@ def test_a_replica_that_accepts_and_never_answers_costs_a_stream_only_the_header
         slow += took > 0.4
     assert slow == 5  # then it was out of rotation
     assert replicas_view(rt)[hung.url]["state"] == "unready"
+
+
+def test_a_replica_that_accepts_requests_and_answers_none_leaves_rotation_and_its_waiting_clients_move(cluster):
+    """Its /health still answers 200. After health.stall_s without an answer and without engine progress it is
+    out, and the requests waiting on it complete on the other replica: none waits for request_timeout_s."""
+    hung, good = cluster.sim(), cluster.sim()
+    rt = cluster.router([hung, good], "--policy", "round-robin", "--set", "health.stall_s=3")
+    set_faults(hung, hang=True)
+    took: list[tuple[float, int, str]] = []
+
+    def client(i: int) -> None:
+        t0 = time.monotonic()
+        r = complete(rt.url, prompt=f"question {i}")
+        took.append((time.monotonic() - t0, r.status_code, r.headers.get("x-kvroute-replica", "")))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    out_after = wait_until(lambda: replicas_view(rt)[hung.url]["state"] == "unready", timeout=10)
+    for t in threads:
+        t.join(timeout=20)
+    assert out_after < 6  # stall_s (3) plus a scrape or two
+    assert all(status == 200 for _, status, _ in took) and len(took) == 8, took
+    assert all(replica == f"127.0.0.1:{good.port}" for _, _, replica in took)
+    assert max(t for t, _, _ in took) < 7, took
+    assert "stalled" in replicas_view(rt)[hung.url]["last_error"]
