@@ -151,6 +151,14 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
+def _expected_at_shutdown(record: logging.LogRecord) -> bool:
+    """uvicorn reports the streams still open when shutdown_grace_s ends at ERROR: an expected event, a warning."""
+    if record.levelno == logging.ERROR and isinstance(record.msg, str) and \
+            record.msg.startswith("Cancel %s running task(s)"):
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
+
+
 def setup(level: str = "info", json_format: bool = False) -> None:
     global _writer
     shutdown()
@@ -167,6 +175,7 @@ def setup(level: str = "info", json_format: bool = False) -> None:
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
+    logging.getLogger("uvicorn.error").addFilter(_expected_at_shutdown)
     logging.getLogger("uvicorn.access").disabled = True
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("httpcore").setLevel(logging.WARNING)
