@@ -338,6 +338,9 @@ class VLLMSimulator:
         if model != self.model:
             return await _json(send, 404, _error(
                 f"The model `{model}` does not exist. Valid aliases: {self.model}.", "NotFoundError", "model", 404))
+        bad = _invalid_fields(req) or apis.invalid(path, req)
+        if bad is not None:
+            return await _json(send, 400, _error(bad[1], "Bad Request", bad[0], 400))
         if path != "/v1/responses":
             ids = self.prompt_ids({"messages": apis.anthropic_messages(req)}, True)
             if path.endswith("/count_tokens"):
@@ -820,7 +823,7 @@ def _lax_int(v: Any) -> int | None:
 
 def _invalid_fields(req: dict[str, Any]) -> tuple[str, str] | None:
     """(field, message) of the first field vLLM's request model would refuse, or None."""
-    for name in ("max_tokens", "max_completion_tokens", "n"):
+    for name in ("max_tokens", "max_completion_tokens", "n", "max_output_tokens"):
         v = req.get(name)
         if v is None:
             continue

@@ -21,6 +21,20 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
     return b"event: %s\ndata: %s\n\n" % (event.encode(), json.dumps(data, separators=(",", ":")).encode())
 
 
+def invalid(path: str, req: dict[str, Any]) -> tuple[str, str] | None:
+    """(field, message) of the first field vLLM's Responses or Messages request model would refuse, or None."""
+    if path == "/v1/responses":
+        checks = [("input", (str, list), True), ("instructions", (str,), False),
+                  ("previous_response_id", (str,), False), ("request_id", (str,), False), ("store", (bool,), False)]
+    else:
+        checks = [("messages", (list,), True), ("system", (str, list), False)]
+    for field, types, required in checks:
+        v = req.get(field)
+        if (v is None and required) or (v is not None and not isinstance(v, types)):
+            return field, f"1 validation error:\n  {{'type': 'invalid_type', 'loc': ('body', '{field}'), 'input': {v!r:.40}}}"
+    return None
+
+
 def not_found(response_id: str) -> dict[str, Any]:
     return {"error": {"message": f"Response with id '{response_id}' not found.", "type": "invalid_request_error",
                       "param": "response_id", "code": 404}}

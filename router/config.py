@@ -111,6 +111,15 @@ class ReplicaConfig(_Model):
             raise ValueError("must not carry a query or fragment")
         return v.rstrip("/")
 
+    @field_validator("api_key")
+    @classmethod
+    def _check_api_key(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None:
+            key = v.get_secret_value()
+            if not key or not key.isascii() or not key.isprintable():
+                raise ValueError("must be printable ASCII (it goes into an HTTP header)")
+        return v
+
     @field_validator("name")
     @classmethod
     def _check_name(cls, v: str) -> str:

@@ -176,6 +176,42 @@ def test_raw_requests(served, line, headers, body):
     RAW_ANSWERS.append(len(statuses(answer)))
 
 
+# -- the admin API and the Responses API ------------------------------------------------------
+
+replica_body = st.fixed_dictionaries(
+    {"url": st.sampled_from(["http://127.0.0.1:9", "https://127.0.0.1:1/v", "ftp://x", "http://user:pw@127.0.0.1:9",
+                             "http://127.0.0.1:9?q=1"]) | st.text(max_size=40) | anything},
+    optional={"name": st.text(max_size=140) | anything, "max_num_seqs": st.integers() | anything,
+              "models": st.lists(st.text(max_size=20), max_size=3) | anything,
+              "platform": st.sampled_from(["gaudi2", "cpu", "aurora-pvc", "x"]) | anything,
+              "tensor_parallel_size": st.integers() | anything, "block_size": st.integers() | anything,
+              "num_gpu_blocks": st.integers() | anything, "speed": st.floats() | anything,
+              "kv_events": st.text(max_size=30) | anything, "api_key": st.text(max_size=20) | anything})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(body=replica_body | anything)
+def test_admin_registration_bodies(served, body):
+    """Whatever an admin call sends is answered well-formed; what it registers can be deleted again."""
+    r = post_json(served[2], "/admin/replicas", body)
+    well_formed(r)
+    if r.status_code == 201:
+        assert served[2].delete(f"/admin/replicas/{r.json()['name']}").status_code == 202
+
+
+responses_body = st.fixed_dictionaries(
+    {"input": st.text(max_size=200) | st.lists(message, max_size=3) | anything},
+    optional={**common, "instructions": st.text(max_size=50) | anything,
+              "previous_response_id": st.text(max_size=300) | anything, "request_id": st.text(max_size=300) | anything,
+              "max_output_tokens": small_int | anything, "store": st.booleans() | anything})
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(body=responses_body)
+def test_responses_bodies(served, body):
+    well_formed(post_json(served[2], "/v1/responses", body))
+
+
 def test_the_router_still_answers_and_replicas_saw_only_well_formed_requests_after_the_fuzzing(served):
     rt, sim, client = served
     r = client.post("/v1/completions", json={"model": "tiny", "prompt": "still there?", "max_tokens": 2})
