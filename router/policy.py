@@ -142,12 +142,13 @@ class NotDrained(Filter):
 
 @register_filter("not-tried")
 class NotTried(Filter):
-    """Retries never go back to a replica that failed this request."""
+    """Retries never go back to a replica that failed this request, unless it restarted since."""
 
     when_empty = "tried"
 
     def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
-        return view.name not in req.exclude
+        tried = req.exclude.get(view.name)
+        return tried is None or view.restarts > tried  # a replica that restarted since is a new process
 
 
 @register_filter("below-capacity")

@@ -116,7 +116,8 @@ class Replica:
             kv_blocks=self.kv_blocks, prefill_rate=self.prefill_rate,
             prefill_marginal_s=min(self.alike[1] or 0.0, 1.0 / self.prefill_rate),
             max_num_batched_tokens=cfg.max_num_batched_tokens,
-            kv_usage=self.stats.kv_usage if self.stats is not None else 0.0, external_load=self.external_load)
+            kv_usage=self.stats.kv_usage if self.stats is not None else 0.0, external_load=self.external_load,
+            restarts=self.restarts)
 
     @property
     def ready(self) -> bool:

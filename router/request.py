@@ -28,7 +28,7 @@ class RouteRequest:
     response_id: str | None = None  # the id of the stored response it makes (/v1/responses)
     payload: dict[str, Any] | None = None  # the parsed body, until the router has keyed it
     body_size: int = 0
-    exclude: set[str] = field(default_factory=set)
+    exclude: dict[str, int] = field(default_factory=dict)  # replica -> its restarts when it failed this request
     # filled by the router
     prepared: bool = False
     key: "PromptKey | None" = None

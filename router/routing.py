@@ -252,7 +252,7 @@ class Router:
 
     def _failed(self, ticket: Ticket, kind: str) -> None:
         req = ticket.req
-        req.exclude.add(ticket.name)
+        req.exclude[ticket.name] = ticket.replica.restarts
         if ticket._receipts and self.index is not None:
             for receipt in ticket._receipts:
                 self._background.spawn(self._withdraw(receipt))

@@ -26,7 +26,8 @@ def view(name, inflight=0, ready=True, models=("m",), drained=False, pending=0, 
 
 
 def req(model="m", exclude=(), session=None, prompt=0, cached=None, occupancy=None, returning=None):
-    r = RouteRequest(model=model, request_id="r", endpoint="/v1/completions", exclude=set(exclude))
+    r = RouteRequest(model=model, request_id="r", endpoint="/v1/completions",
+                     exclude=exclude if isinstance(exclude, dict) else dict.fromkeys(exclude, 0))
     r.session_replica = session
     r.prompt_tokens, r.cached, r.occupancy = prompt, dict(cached or {}), dict(occupancy or {})
     r.returning = dict(returning or {})
@@ -47,6 +48,12 @@ def test_filters_say_why_nobody_is_left(views, model, why):
     with pytest.raises(NoCandidate) as e:
         build_policy("least-loaded").candidates(req(model), views)
     assert e.value.why == why
+
+
+def test_a_tried_replica_that_restarted_since_may_be_tried_again():
+    views = [view("a")._replace(restarts=1), view("b")]
+    assert sorted(v.name for v in build_policy("least-loaded").candidates(req(exclude={"a": 0}), views)) == ["a", "b"]
+    assert [v.name for v in build_policy("least-loaded").candidates(req(exclude={"a": 1}), views)] == ["b"]
 
 
 def test_tried_replicas_are_excluded():
