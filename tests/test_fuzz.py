@@ -19,7 +19,7 @@ from conftest import Cluster
 from helpers import HTTP, sim_state
 from loadtest.cluster import Proc
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(600)]
 
 CASES = settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 RAW_CASES = settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
