@@ -158,6 +158,19 @@ class Gateway:
         gaps = sorted(b - a for a, b in zip(polls, polls[1:]))
         return min(30.0, 2 * gaps[len(gaps) // 2])
 
+    def admit(self, headers: list[tuple[bytes, bytes]]) -> bytes:
+        """A client request's checks before its body is read: its key, and that it has not been here before.
+        Returns the ``x-kvroute-via`` line to send on; raises :class:`GatewayError`."""
+        self.auth.check_client(headers)
+        return hops.via_line(headers, self.instance)
+
+    async def reject(self, send: Any, e: GatewayError, path: str, request_id: str) -> None:
+        """Answer a request refused before any replica saw it: counted, logged, and the error sent."""
+        self.metrics.requests.labels("", "none", str(e.status)).inc()
+        log.info("%s rejected: %d %s", path, e.status, e.code,
+                 extra={"request_id": request_id, "status": e.status, "outcome": e.code})
+        await send_error(send, e, request_id)
+
     async def response_home(self, response_id: str) -> str:
         """The ready replica holding stored response ``response_id``; raises a 404 that says why there is none."""
         home = await self.router.responses.home(response_id) if self.router.responses is not None else None
@@ -242,14 +255,10 @@ class ProxyEndpoint:
         headers = scope["headers"]
         request_id = request_id_from(headers)
         try:
-            self.gw.auth.check_client(headers)
-            via = hops.via_line(headers, self.gw.instance)
+            via = self.gw.admit(headers)
             body, payload, route = await self.read(headers, receive, request_id)
         except GatewayError as e:
-            self.gw.metrics.requests.labels("", "none", str(e.status)).inc()
-            log.info("%s rejected: %d %s", self.path, e.status, e.code,
-                     extra={"request_id": request_id, "status": e.status, "outcome": e.code})
-            await send_error(send, e, request_id)
+            await self.gw.reject(send, e, self.path, request_id)
             return
         stream = _streams(payload.get("stream"))
         model = route.model
@@ -341,12 +350,10 @@ class StoredResponseEndpoint:
         headers = scope["headers"]
         request_id = request_id_from(headers)
         try:
-            self.gw.auth.check_client(headers)
-            via = hops.via_line(headers, self.gw.instance)
+            via = self.gw.admit(headers)
             home = await self.gw.response_home(valid_id(response_id, "response_id"))
         except GatewayError as e:
-            self.gw.metrics.requests.labels("", "none", str(e.status)).inc()
-            await send_error(send, e, request_id)
+            await self.gw.reject(send, e, scope["path"], request_id)
             return
         query = scope.get("query_string", b"")
         path = scope["path"] + ("?" + query.decode("latin-1") if query else "")
