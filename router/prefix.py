@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import xxhash
 
+from .render import Unkeyable
+
 if TYPE_CHECKING:
     from .tokenizer import LocalTokenizer
 
@@ -205,8 +207,6 @@ def prompts_of(path: str, payload: dict[str, Any],
             return None, None
         if tokenizer is None:
             return [chat_bytes(messages)], None
-        from .render import Unkeyable
-
         try:
             return [tokenizer.chat_ids(payload)], None
         except Unkeyable as e:  # the replica's ids cannot be known here: the bytes still group alike requests
