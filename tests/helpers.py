@@ -135,6 +135,8 @@ def refused(url: str) -> bool:
         HTTP.get(url, timeout=1)
     except httpx.ConnectError:
         return True
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        return False  # accepted, then closed unanswered: the listener is closing but still takes connections
     return False
 
 
