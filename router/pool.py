@@ -16,11 +16,12 @@ table's figures for each decision. With several worker processes each worker che
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
 from typing import Any, Literal, Sequence
+
+import orjson
 
 from .config import HealthConfig, IndexConfig, PLATFORMS, ProxyConfig, ReplicaConfig
 from . import hops
@@ -206,7 +207,11 @@ class Replica:
 def _small_card(card: dict[str, Any]) -> dict[str, Any]:
     """A model card with vLLM's fields only, and only its id, object and root where those weigh too much."""
     out = {k: card[k] for k in _CARD_FIELDS if k in card}
-    if len(json.dumps(out, default=str)) > _MAX_CARD_BYTES:
+    try:
+        weight = len(orjson.dumps(out, default=str))
+    except TypeError:  # nested past what a card needs (orjson's 254 levels)
+        weight = _MAX_CARD_BYTES + 1
+    if weight > _MAX_CARD_BYTES:
         root = card.get("root")
         out = {"id": card["id"], "object": "model",
                "root": root if isinstance(root, str) and len(root) <= _MAX_ID_CHARS else None}
@@ -507,7 +512,7 @@ class ReplicaPool:
                 if status != 200:
                     self.mark_failure(r, f"/v1/models answered {status}")
                     return
-                self._set_models(r, json.loads(body))
+                self._set_models(r, orjson.loads(body))  # at most 1,024 levels deep
         except ConnectFailed as e:
             self.mark_failure(r, f"connection failed: {e}", immediate=True)
             return

@@ -335,8 +335,14 @@ class Forwarder:
                 body = b"".join(held)
                 call.status = upstream.status
                 self._learn(call, ticket, body)
-                await send({"type": "http.response.start", "status": upstream.status,
-                            "headers": _response_headers(call, ticket, upstream.headers)})
+                # the length of what came, whatever the replica's header said (a 204 or 304 has none)
+                headers = [(k, v) for k, v in _response_headers(call, ticket, upstream.headers)
+                           if k != b"content-length"]
+                if upstream.status in (204, 304):
+                    body = b""
+                else:
+                    headers.append((b"content-length", b"%d" % len(body)))
+                await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 return None
         call.status = upstream.status

@@ -311,7 +311,7 @@ def _tool_call(call: Any) -> dict[str, Any]:
     if function["arguments"]:
         try:
             args = json.loads(function["arguments"])
-        except ValueError:
+        except (ValueError, RecursionError):  # nested deeper than Python's stack: vLLM cannot read it either
             args = {}
     if not isinstance(args, dict):
         args = {}

@@ -30,6 +30,11 @@ _MAXED = {
 }
 
 
+# what a replica may claim at most: a larger figure is a lie or a fault, and the router sizes its index by it
+MAX_BLOCK_SIZE = 65_536  # tokens per KV block
+MAX_BLOCKS = 2**22  # KV blocks per replica (all ranks): 67M tokens at 16 per block; replicas[].num_gpu_blocks goes higher
+_MAX_VALUE = 2.0**53  # any one sample; counters past it are not plausible and their sums could overflow
+
 _WANTED = tuple(_SUMMED) + tuple(_MAXED) + ("vllm:cache_config_info", "process_start_time_seconds")
 
 
@@ -69,11 +74,15 @@ def _split(line: str) -> tuple[str, str, str]:
     return parts[0], "", parts[1] if len(parts) > 1 else "nan"
 
 
-def _int_label(labels: dict[str, str], key: str) -> int | None:
+def _int_label(labels: dict[str, str], key: str, most: int) -> int | None:
+    """A positive whole label value, at most ``most``; None when absent, not a number, or not positive."""
     try:
-        return int(float(labels[key]))
+        value = float(labels[key])
     except (KeyError, ValueError):
         return None
+    if not value >= 1:  # NaN too
+        return None
+    return int(min(value, most))
 
 
 def parse_metrics(text: str) -> ReplicaStats:
@@ -89,6 +98,8 @@ def parse_metrics(text: str) -> ReplicaStats:
             value = float(raw)
         except ValueError:
             continue
+        if not 0.0 <= value <= _MAX_VALUE:  # NaN, infinities, negative or absurd: not a figure to act on
+            continue
         if name in _SUMMED:
             attr = _SUMMED[name]
             if attr in stats.seen and name.startswith("vllm:gpu_prefix"):
@@ -96,16 +107,17 @@ def parse_metrics(text: str) -> ReplicaStats:
             setattr(stats, attr, getattr(stats, attr) + value)
             stats.seen.add(attr)
         elif name in _MAXED:
+            value = min(value, 1.0)
             if not kv_seen or value > stats.kv_usage:
                 stats.kv_usage = value
             kv_seen = True
             stats.seen.add("kv_usage")
         elif name == "vllm:cache_config_info":
             lab = dict(_LABEL.findall(labels))
-            stats.block_size = _int_label(lab, "block_size") or stats.block_size
-            blocks = _int_label(lab, "num_gpu_blocks")
+            stats.block_size = _int_label(lab, "block_size", MAX_BLOCK_SIZE) or stats.block_size
+            blocks = _int_label(lab, "num_gpu_blocks", MAX_BLOCKS)
             if blocks:
-                stats.num_gpu_blocks = (stats.num_gpu_blocks or 0) + blocks
+                stats.num_gpu_blocks = min(MAX_BLOCKS, (stats.num_gpu_blocks or 0) + blocks)
             stats.seen.add("cache_config")
         elif name == "process_start_time_seconds":
             stats.start_time = value

@@ -107,7 +107,8 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            self.response._fail(ProtocolError(f"invalid HTTP from the replica: {e}"))
+            why = e.__context__ if isinstance(e.__context__, ProtocolError) else f"invalid HTTP from the replica: {e}"
+            self.response._fail(why if isinstance(why, ProtocolError) else ProtocolError(why))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -129,7 +130,10 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         assert self.response is not None
-        self.response._headers_done(self.parser.get_status_code())
+        status = self.parser.get_status_code()
+        if not 200 <= status <= 599:  # no request asks for a 1xx; anything else is not HTTP a client can be given
+            raise ProtocolError(f"the replica answered status {status}")
+        self.response._headers_done(status)
 
     def on_body(self, body: bytes) -> None:
         assert self.response is not None

@@ -11,12 +11,14 @@ source is reported and left out.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
+import orjson
+
 from ..config import ReplicaConfig
+from ..errors import shown
 from ..upstream import UpstreamError
 from .subscriber import Endpoints
 
@@ -27,14 +29,21 @@ class NoSource(Exception):
     """The replica publishes no events this router can read; the message says why."""
 
 
+MAX_RANKS = 64  # data-parallel ranks read from one replica (replicas[].data_parallel_size allows as many)
+_BIND_ANY = ("*", "0.0.0.0", "[::]", "::", "")
+_MAX_ENDPOINT = 256
+
+
 def _with_host(endpoint: str, host: str, rank_offset: int = 0) -> str:
-    """``tcp://*:5557`` -> ``tcp://HOST:5557+offset`` (IPv6 hosts bracketed)."""
+    """``tcp://*:5557`` -> ``tcp://HOST:5557+offset`` (IPv6 hosts bracketed). Raises ``ValueError`` for a port
+    that is not a number from 1 to 65535 (after the offset)."""
     if not endpoint.startswith("tcp://"):
         return endpoint
-    rest = endpoint[len("tcp://"):]
-    h, _, port = rest.rpartition(":")
-    if h in ("*", "0.0.0.0", "[::]", "::", ""):
+    h, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if h in _BIND_ANY:
         h = f"[{host}]" if ":" in host else host
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 1 <= int(port) + rank_offset <= 65535):
+        raise ValueError(f"{shown(endpoint, 80)} has no usable port (1 to 65535)")
     return f"tcp://{h}:{int(port) + rank_offset}"
 
 
@@ -46,45 +55,59 @@ def from_config(cfg: ReplicaConfig) -> list[Endpoints]:
             for rank in range(cfg.data_parallel_size)]
 
 
+def _unusable(endpoint: Any) -> str:
+    """Why the router cannot subscribe to an endpoint a replica names ("" when it can)."""
+    if not isinstance(endpoint, str) or not endpoint:
+        return "it names no endpoint"
+    if len(endpoint) > _MAX_ENDPOINT or not endpoint.isprintable() or any(c.isspace() for c in endpoint):
+        return f"its endpoint {shown(endpoint, 80)!r} is not one ZMQ can use"
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return ""
+    if not endpoint.startswith("tcp://"):
+        return f"its endpoint {shown(endpoint, 80)!r} is neither tcp:// nor ipc://"
+    if endpoint[len("tcp://"):].rpartition(":")[0] not in _BIND_ANY:
+        return f"it connects out to {shown(endpoint, 80)} (only an endpoint with * makes it bind for subscribers)"
+    return ""
+
+
 def from_answer(answer: Any, replica_url: str) -> list[Endpoints]:
     """The endpoints in a ``/kv_event_sources`` answer (raises :class:`NoSource` saying why there are none)."""
     if not isinstance(answer, dict) or not answer:
         raise NoSource("its /kv_event_sources lists no publisher")
     host = urlsplit(replica_url).hostname or "127.0.0.1"
-    ranks = sorted(((int(k), v) for k, v in answer.items() if str(k).isdigit() and isinstance(v, dict)),
+    ranks = sorted(((int(k), v) for k, v in answer.items()
+                    if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 3 and isinstance(v, dict)),
                    key=lambda kv: kv[0])
     if not ranks:
         raise NoSource("its /kv_event_sources lists no publisher")
-    endpoints = {v.get("endpoint") for _, v in ranks}
+    if len(ranks) > MAX_RANKS or ranks[-1][0] >= MAX_RANKS:
+        raise NoSource(f"its /kv_event_sources lists {len(ranks)} ranks up to {ranks[-1][0]}; "
+                       f"at most {MAX_RANKS} data-parallel ranks (0 to {MAX_RANKS - 1}) are read")
+    endpoints = {v.get("endpoint") if isinstance(v.get("endpoint"), str) else None for _, v in ranks}
     same = len(endpoints) == 1 and len(ranks) > 1  # one setting for all ranks: each adds its rank to the port
     out = []
     why = ""
     for rank, v in ranks:
-        if not v.get("enable_kv_cache_events"):
+        if v.get("enable_kv_cache_events") is not True:
             why = "events are off (--kv-events-config enable_kv_cache_events)"
             continue
         if v.get("publisher") != "zmq":
-            why = f"its publisher is {v.get('publisher')!r}, not zmq"
+            publisher = v.get("publisher")
+            why = f"its publisher is {shown(publisher, 40) if isinstance(publisher, str) else type(publisher).__name__!r}, not zmq"
             continue
-        live = v.get("endpoint")
-        if not isinstance(live, str) or not live:
-            why = "it names no endpoint"
+        live, replay = v.get("endpoint"), v.get("replay_endpoint")
+        why = _unusable(live) or (_unusable(replay) if replay is not None else "")
+        if why:
             continue
-        if live.startswith("tcp://") and "*" not in live and not _binds_any(live):
-            why = f"it connects out to {live} (only an endpoint with * makes it bind for subscribers)"
-            continue
-        replay = v.get("replay_endpoint")
         offset = rank if same else 0
-        out.append(Endpoints(_with_host(live, host, offset),
-                             _with_host(replay, host, offset) if isinstance(replay, str) and replay else None, rank))
+        try:
+            out.append(Endpoints(_with_host(live, host, offset), _with_host(replay, host, offset) if replay else None,
+                                 rank))
+        except ValueError as e:
+            why = str(e)
     if not out:
         raise NoSource(why or "its /kv_event_sources lists no publisher")
     return out
-
-
-def _binds_any(endpoint: str) -> bool:
-    host = endpoint[len("tcp://"):].rpartition(":")[0]
-    return host in ("0.0.0.0", "[::]", "::")
 
 
 async def discover(get: Callable[[str], Awaitable[tuple[int, bytes]]], cfg: ReplicaConfig) -> list[Endpoints]:
@@ -100,7 +123,7 @@ async def discover(get: Callable[[str], Awaitable[tuple[int, bytes]]], cfg: Repl
     if status != 200:
         raise UpstreamError(f"/kv_event_sources answered {status}")
     try:
-        answer = json.loads(body)
+        answer = orjson.loads(body)  # at most 1,024 levels deep
     except ValueError:
         raise NoSource("its /kv_event_sources is not JSON") from None
     return from_answer(answer, cfg.url)
