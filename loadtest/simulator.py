@@ -527,12 +527,12 @@ class VLLMSimulator:
                 self.c.running += 1
                 running = True
                 self.kv_blocks_in_use += blocks
+                if self.faults.hang:  # a hung engine: admitted, never scheduled, so no token is ever counted
+                    await asyncio.Event().wait()
                 cached = self.cache.admit(ids)
                 self.c.prompt_tokens += prompt_tokens
                 self.c.prefix_queries += prompt_tokens
                 self.c.prefix_hits += cached
-                if self.faults.hang:
-                    await asyncio.Event().wait()
                 loop = asyncio.get_running_loop()
                 start = max(loop.time(), self._prefill_free_at)
                 self._prefill_free_at = start + self.prefill_per_token * (prompt_tokens - cached)

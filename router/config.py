@@ -176,10 +176,12 @@ class HealthConfig(_Model):
                              "or silent stream) take it out of rotation, however its /health answers")
     eject_s: float = Field(30.0, gt=0, description="how long such a replica stays out; doubled each time it is taken "
                            "out again soon after (at most 10 times this)")
-    stall_s: float = Field(10.0, gt=0, description="a replica that has answered none of the requests waiting on it "
+    stall_s: float = Field(7.0, gt=0, description="a replica that has answered none of the requests waiting on it "
                            "for this long, while its /metrics show its engine making no progress (accepts requests, "
                            "answers none), is taken out like an ejected one, and the requests waiting on it are sent "
-                           "to another replica")
+                           "to another replica (out within stall_s plus one metrics_interval_s; raise it where an "
+                           "engine may compile for longer without counting a token, as Gaudi's lazy mode can on a "
+                           "new shape)")
     startup_timeout_s: float = Field(900.0, gt=0, description="a replica not yet ready this long after it was added "
                                      "is reported as failed to start; until then it is starting, not failing (Gaudi "
                                      "warm-ups take up to ~10 minutes)")

@@ -93,7 +93,9 @@ class PromptKeys:
         self._served: dict[str, frozenset[str]] = {}  # replica -> the models it serves
         self._warned_at = -_WARN_EVERY_S
         self._unwarned = 0  # models without a tokenizer not warned about (one warning a minute at most)
-        self._searching: set[str] = set()  # models whose tokenizer is being looked for
+        self._searching: set[str] = set()  # models whose tokenizer is being looked for, or waiting to be
+        self._queue: dict[str, str | None] = {}  # those waiting (model -> root), looked for one at a time in order
+        self._searcher: asyncio.Task[None] | None = None
         self._background = Background()
         # long prompts are keyed on threads of their own, at a lower scheduling priority than the event loop's,
         # so that a first-seen 100,000-token prompt takes spare CPU rather than the other requests' turn
@@ -178,8 +180,10 @@ class PromptKeys:
                     self._seen.add(model)
                     if self.auto and model not in self._by_model:
                         self._searching.add(model)
-                        self._background.spawn(self._find(model, root))
+                        self._queue[model] = root
             self._forget_unserved()
+            if self._queue and (self._searcher is None or self._searcher.done()):
+                self._searcher = self._background.spawn(self._search_queued())
         elif isinstance(event, ReplicaRemoved):
             self._served.pop(event.replica, None)
             self._forget_unserved()
@@ -190,9 +194,21 @@ class PromptKeys:
         for model in [m for m in self._seen | set(self._calibration) if m not in served]:
             self._seen.discard(model)
             self._calibration.pop(model, None)
+            if model in self._queue:  # not looked for yet: it need not be
+                del self._queue[model]
+                self._searching.discard(model)
             if model not in self.cfg.tokenizers:
                 self._by_model.pop(model, None)
                 self._source.pop(model, None)
+
+    async def _search_queued(self) -> None:
+        """Look for the queued models' tokenizers, one at a time: ids that churn faster than they can be looked
+        for (LoRA adapters at every health check) wait in a queue that holds each model once, and leave it when
+        no replica serves them any more, instead of piling up searches."""
+        while self._queue:
+            model = next(iter(self._queue))
+            root = self._queue.pop(model)
+            await self._find(model, root)
 
     async def _find(self, model: str, root: str | None) -> None:
         try:

@@ -28,6 +28,7 @@ from . import hops
 from .events import (EventBus, ReplicaAdded, ReplicaModels, ReplicaReady, ReplicaRemoved, ReplicaRestarted,
                      ReplicaUnready)
 from .load import LoadTable
+from .memory import FreedMemory
 from .metrics import Metrics
 from .prefill import PrefillEstimate
 from .replica_metrics import ReplicaStats, parse_metrics
@@ -248,6 +249,7 @@ class ReplicaPool:
         for cfg in configs:
             self.replicas[cfg.name] = self._make(cfg)
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self.freed = FreedMemory()
         self._started = False
         self._checked: set[str] = set()  # replicas whose first health check is done
         self._first_round = asyncio.Event()
@@ -287,6 +289,7 @@ class ReplicaPool:
         self._tasks.clear()
         for r in self.replicas.values():
             _close(r)
+        await self.freed.close()
 
     # -- membership (decided by router.membership) ------------------------------------------
 
@@ -562,9 +565,11 @@ class ReplicaPool:
         return out
 
     def _forget_models(self, before: set[str]) -> None:
-        """Models served before and by no replica now: their metric series go."""
+        """Models served before and by no replica now: their metric series go (and the memory they held goes
+        back to the system: see :mod:`router.memory`)."""
         for model in before - self.served_models():
             self.metrics.forget_model(model)
+        self.freed.note()
 
     async def scrape(self, r: Replica) -> None:
         """One scrape of /metrics: engine load, KV usage and size, restarts."""
