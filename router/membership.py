@@ -71,6 +71,7 @@ class Membership:
         out: dict[str, Any] = {"source": self.source.get(name, "config")}
         if name in self.draining:
             out["removing"] = True
+            out["removing_for_s"] = round(time.monotonic() - self.draining[name], 1)
         return out
 
     # -- the admin API -------------------------------------------------------------------------

@@ -33,6 +33,27 @@ def test_a_replica_registered_through_the_admin_api_joins_and_takes_traffic(clus
     assert "late" in served_by(rt)
 
 
+def test_a_second_delete_of_a_draining_replica_continues_the_same_drain_and_a_third_after_it_left_is_404(cluster):
+    a, b = cluster.sim("--ttft-ms", "5", "--itl-ms", "100"), cluster.sim()
+    rt = cluster.router([a, b], "--set", "membership.drain_timeout_s=2")
+    gone = f"127.0.0.1:{a.port}"
+    HTTP.post(rt.url + f"{ADMIN}/127.0.0.1:{b.port}/drain", timeout=5)  # the long request goes to the leaving one
+    t = threading.Thread(target=lambda: HTTP.post(rt.url + "/v1/completions", timeout=20, json={
+        "model": "tiny", "prompt": "x", "max_tokens": 60}))
+    t.start()
+    wait_until(lambda: HTTP.get(a.url + "/sim/state").json()["counters"]["running"] == 1, timeout=5)
+    first = HTTP.delete(rt.url + f"{ADMIN}/{gone}", timeout=5)
+    time.sleep(1.0)
+    second = HTTP.delete(rt.url + f"{ADMIN}/{gone}", timeout=5)
+    assert first.status_code == second.status_code == 202
+    assert second.json()["removing"] is True and second.json()["removing_for_s"] >= 0.9
+    # removed at the first DELETE's drain timeout (2 s), not 2 s after the second
+    took = wait_until(lambda: gone not in names(rt), timeout=5)
+    assert took < 1.7
+    assert HTTP.delete(rt.url + f"{ADMIN}/{gone}", timeout=5).status_code == 404
+    t.join(20)
+
+
 def test_a_registration_with_an_invalid_field_is_refused_naming_it(cluster):
     rt = cluster.router([cluster.sim()])
     r = HTTP.post(rt.url + ADMIN, json={"url": "http://127.0.0.1:9", "max_num_seqs": 0}, timeout=5)
