@@ -173,6 +173,24 @@ def test_anthropic_messages_pass_through_with_their_own_stream(cluster):
     assert count.status_code == 200 and count.json()["input_tokens"] > 0
 
 
+def test_the_anthropic_client_gets_messages_and_their_stream_through_the_router(cluster):
+    import anthropic
+    sim = cluster.sim()
+    rt = cluster.router([sim])
+    client = anthropic.Anthropic(base_url=rt.url, api_key="unused", max_retries=0, timeout=10)
+    message = client.messages.create(model="tiny", max_tokens=3, system="be brief",
+                                     messages=[{"role": "user", "content": "alpha"}])
+    assert message.type == "message" and message.role == "assistant" and message.usage.output_tokens == 3
+    assert message.content[0].type == "text" and message.content[0].text
+    with client.messages.stream(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "beta"}]) as s:
+        pieces = list(s.text_stream)
+        final = s.get_final_message()
+    assert len(pieces) == 4 and "".join(pieces) == final.content[0].text
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 4
+    assert client.messages.count_tokens(model="tiny", messages=[
+        {"role": "user", "content": "alpha"}]).input_tokens > 0
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/rerank", {"model": "tiny", "query": "a", "documents": ["b"]}),
     ("/v1/score", {"model": "tiny", "text_1": "a", "text_2": "b"}),
