@@ -16,7 +16,7 @@ cache-aware router aims for without any router's time in it, and the report comp
 as a reference. Results go to
 ``loadtest/results/<name>/``: ``results.json``, ``results.md`` with the targets checked and, with
 matplotlib, ``ttft_p90.png`` and ``throughput.png`` (one line per router); a full run also replaces
-its section of the README (between ``<!-- cluster-bench:<name> -->`` markers).
+its section of docs/benchmarks.md (between ``<!-- cluster-bench:<name> -->`` markers).
 """
 
 from __future__ import annotations
@@ -380,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", action="append", help="only these routers; with a stored run of the same configuration "
                    "in the output folder, they are added to it (or replace their earlier rows) at its saturation")
     p.add_argument("--quick", action="store_true", help="a fifth of the groups and requests, three rates (to try "
-                   "the set-up; the README is left alone)")
-    p.add_argument("--out", type=Path, help="results here (default: loadtest/results/NAME); the README is updated "
+                   "the set-up; docs/benchmarks.md is left alone)")
+    p.add_argument("--out", type=Path, help="results here (default: loadtest/results/NAME); docs/benchmarks.md is updated "
                    "only with the default")
     args = p.parse_args(argv)
     # Each cluster and router runs in a session of its own; on SIGTERM, unwind so that they are stopped too.
@@ -445,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   "skipped": skipped}, indent=2))
     if not args.quick and args.out is None:
         rel = out.relative_to(ROOT)
-        update_readme(ROOT / "README.md", cfg["name"], text + "".join(f"\n![{m}]({rel / m})\n" for m in made))
+        update_readme(ROOT / "docs" / "benchmarks.md", cfg["name"],
+                      text + "".join(f"\n![{m}](../{rel / m})\n" for m in made))
     print(text)
     return 0
 

@@ -62,7 +62,7 @@ def replica(home: Path, port: int | None = None, num_gpu_blocks: int | None = 64
            # the engine and its one worker in one process: by default vLLM's CPU platform runs the worker in a
            # process of its own, which spins on the shared-memory queue for 1 s after every step (sched_yield); three
            # replicas' spinning workers took both cores, and times to first token were several times longer and
-           # varied up to fourfold from one run to the next (README, "Proven on real vLLM")
+           # varied up to fourfold from one run to the next (docs/real-vllm.md)
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     if dev_mode:

@@ -246,7 +246,7 @@ class PrefixConfig(_Model):
 
 
 class KvEventsConfig(_Model):
-    """The precise index: replicas' KV-cache events (see the README's precise index section)."""
+    """The precise index: replicas' KV-cache events (see docs/routing.md)."""
 
     enabled: bool = Field(True, description="use the KV-cache events of replicas that publish them (their "
                           "/kv_event_sources, or replicas[].kv_events); others keep the approximate index")
@@ -287,7 +287,7 @@ class CandidatesConfig(_Model):
 
 
 class CacheAwareConfig(_Model):
-    """Knobs of the cache-aware cost (see the README's routing section)."""
+    """Knobs of the cache-aware cost (see docs/routing.md)."""
 
     load_weight_tokens: float = Field(32_000, ge=0, description="cost of a replica at full capacity (load term), "
                                       "as the seconds it takes to prefill this many prompt tokens: weighed in "
@@ -316,7 +316,7 @@ class CacheAwareConfig(_Model):
 
 
 class ConversationsConfig(_Model):
-    """Conversations between turns (see the README's routing section)."""
+    """Conversations between turns (see docs/routing.md)."""
 
     window_s: float = Field(60.0, gt=0, description="an answered prompt's conversation counts as waiting at its replica "
                             "this long, unless its next turn comes first")

@@ -114,7 +114,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     setattr(item, "rep_" + rep.when, rep)
 
 
-# Figures the fault and soak suites report (printed at the end of the run, for the README).
+# Figures the fault and soak suites report (printed at the end of the run, for docs/operations.md).
 FIGURES: list[tuple[str, dict]] = []
 
 
