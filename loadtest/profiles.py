@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router import platforms
+
 from .engine import StepCost
 
 
@@ -91,8 +93,10 @@ class Profile:
         return 1.0 / self.cost.prefill_s_per_token
 
 
-def derive(name: str, platform: str, model: ModelShape, device: Device, tp: int, block_size: int,
+def derive(name: str, platform: str, model: ModelShape, device: Device, tp: int, block_size: int | None = None,
            max_num_seqs: int = 256, max_num_batched_tokens: int = 8192) -> Profile:
+    """A stand-in for ``tp`` devices of ``platform`` (its block size vLLM's default there unless given)."""
+    block_size = block_size or platforms.get(platform).block_size
     memory = tp * device.memory_bytes
     kv = memory * GPU_MEMORY_UTILIZATION - model.weight_bytes - ACTIVATION_RESERVE * memory
     if kv <= 0:
@@ -127,10 +131,10 @@ CPU = Profile("cpu", block_size=128, num_gpu_blocks=104, max_num_seqs=16, max_nu
 PROFILES: dict[str, Profile] = {
     p.name: p for p in (
         CPU,
-        derive("gaudi2-tp8", "gaudi2", LLAMA_70B, GAUDI2, 8, 128),
-        derive("gaudi3-tp8", "gaudi3", LLAMA_70B, GAUDI3, 8, 128),
-        derive("aurora-pvc-tp1", "aurora-pvc", LLAMA_8B, PVC_TILE, 1, 64),
-        derive("aurora-pvc-tp2", "aurora-pvc", LLAMA_8B, PVC_TILE, 2, 64),
-        derive("aurora-pvc-tp4", "aurora-pvc", LLAMA_70B, PVC_TILE, 4, 64),
+        derive("gaudi2-tp8", "gaudi2", LLAMA_70B, GAUDI2, 8),
+        derive("gaudi3-tp8", "gaudi3", LLAMA_70B, GAUDI3, 8),
+        derive("aurora-pvc-tp1", "aurora-pvc", LLAMA_8B, PVC_TILE, 1),
+        derive("aurora-pvc-tp2", "aurora-pvc", LLAMA_8B, PVC_TILE, 2),
+        derive("aurora-pvc-tp4", "aurora-pvc", LLAMA_70B, PVC_TILE, 4),
     )
 }

@@ -54,10 +54,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def plan_flags(sp: argparse.ArgumentParser) -> None:
-    from .plan import PLATFORMS
+    from . import platforms
 
     sp.add_argument("model", help="config.json, or the model's folder (safetensors headers give the exact weights)")
-    sp.add_argument("--platform", required=True, choices=sorted(PLATFORMS))
+    sp.add_argument("--platform", required=True, choices=platforms.names())
     sp.add_argument("--nodes", type=int, default=1, help="nodes to fill (default: 1)")
     sp.add_argument("--max-model-len", type=int, default=8192, help="vLLM's --max-model-len (default: 8192)")
     sp.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="weights (default: bf16)")

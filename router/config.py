@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 from urllib.parse import urlsplit
@@ -22,36 +21,10 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from . import platforms
 from .store.client import parse_url
 
-Platform = Literal["gaudi2", "gaudi3", "aurora-pvc", "cuda", "cpu"]
 POLICIES = ("cache-aware", "least-loaded", "round-robin")
-
-
-@dataclass(frozen=True)
-class PlatformProfile:
-    """What a platform implies when a replica's config does not say.
-
-    ``block_size`` is vLLM's KV block size in tokens there (the replica's ``/metrics`` wins once
-    scraped). ``device_speed`` is the relative throughput of one device (one Gaudi 2 card = 1.0);
-    only ratios between replicas matter. ``prefill_tokens_per_s`` is one device's prompt
-    throughput for a mid-sized (~8B) model, the guess from which a replica's prefill rate is
-    scaled by its parallel group until its ``/metrics`` show the real one (or its own
-    ``prefill_tokens_per_s`` is set).
-    """
-
-    block_size: int
-    device_speed: float
-    prefill_tokens_per_s: float
-
-
-PLATFORMS: dict[str, PlatformProfile] = {
-    "gaudi2": PlatformProfile(block_size=128, device_speed=1.0, prefill_tokens_per_s=8000),
-    "gaudi3": PlatformProfile(block_size=128, device_speed=1.8, prefill_tokens_per_s=14000),
-    "aurora-pvc": PlatformProfile(block_size=16, device_speed=0.5, prefill_tokens_per_s=4000),  # one PVC tile
-    "cuda": PlatformProfile(block_size=16, device_speed=1.0, prefill_tokens_per_s=8000),
-    "cpu": PlatformProfile(block_size=128, device_speed=0.02, prefill_tokens_per_s=200),
-}
 
 
 class _Model(BaseModel):
@@ -68,7 +41,7 @@ class ReplicaConfig(_Model):
                       "in URLs, metric labels and logs); defaults to host:port of the url")
     url: str = Field(..., description="base URL of the replica's OpenAI server, e.g. http://10.0.0.5:8000")
     models: list[str] = Field(default_factory=list, description="served model names; empty = discover from /v1/models")
-    platform: Platform = Field("cuda", description="gaudi2, gaudi3, aurora-pvc, cuda or cpu")
+    platform: str = Field("cuda", description="what it runs on: " + ", ".join(platforms.names()) + " (router/platforms.py)")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="devices in the replica's tensor-parallel group")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="pipeline stages (nodes) of the replica")
     max_num_seqs: int = Field(256, ge=1, le=65536, description="vLLM's --max-num-seqs: the most requests kept in flight on it")
@@ -78,7 +51,7 @@ class ReplicaConfig(_Model):
     speed: float | None = Field(None, gt=0, le=1e6, description="relative throughput; default: device_speed(platform) x TP x PP")
     api_key: SecretStr | None = Field(None, description="bearer token sent to this replica")
     block_size: int | None = Field(None, ge=1, le=65536, description="KV block size in tokens; default: from the replica's "
-                                   "/metrics, else the platform's (128 Gaudi and CPU, 16 XPU and CUDA)")
+                                   "/metrics, else the platform's (128 Gaudi and CPU, 64 XPU, 16 CUDA)")
     num_gpu_blocks: int | None = Field(None, ge=1, le=2**31, description="KV cache size in blocks; default: from /metrics, "
                                        "else index.default_blocks")
     prefill_tokens_per_s: float | None = Field(None, gt=0, le=1e9, description="prompt tokens per second; default: "
@@ -120,6 +93,12 @@ class ReplicaConfig(_Model):
                 raise ValueError("must be printable ASCII (it goes into an HTTP header)")
         return v
 
+    @field_validator("platform")
+    @classmethod
+    def _check_platform(cls, v: str) -> str:
+        platforms.get(v)  # raises, naming the known ones
+        return v
+
     @field_validator("name")
     @classmethod
     def _check_name(cls, v: str) -> str:
@@ -144,13 +123,13 @@ class ReplicaConfig(_Model):
     def relative_speed(self) -> float:
         if self.speed is not None:
             return self.speed
-        return PLATFORMS[self.platform].device_speed * self.tensor_parallel_size * self.pipeline_parallel_size
+        return platforms.get(self.platform).device_speed * self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def prefill_rate(self) -> float:
         if self.prefill_tokens_per_s is not None:
             return self.prefill_tokens_per_s
-        p = PLATFORMS[self.platform]
+        p = platforms.get(self.platform)
         return p.prefill_tokens_per_s * self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property

@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-GB = 1e9
-GIB = 1 << 30
+from . import platforms
+from .platforms import GB, GIB, Platform
 
 # bytes per element by the names config.json, safetensors and vLLM use
 DTYPE_BYTES = {"float32": 4, "F32": 4, "bfloat16": 2, "BF16": 2, "float16": 2, "F16": 2, "fp8": 1, "F8_E4M3": 1,
@@ -35,37 +35,6 @@ DTYPE_BYTES = {"float32": 4, "F32": 4, "bfloat16": 2, "BF16": 2, "float16": 2, "
 
 class PlanError(ValueError):
     """The model or the target cannot be planned for; the message says why."""
-
-
-@dataclass(frozen=True)
-class Platform:
-    """One platform's devices as vLLM sees them."""
-
-    name: str
-    memory_bytes: float  # per device (a card, a PVC tile); for cpu the default KV space
-    devices_per_node: int
-    block_size: int
-    tp_sizes: tuple[int, ...]
-    reserve_bytes: float  # per device: activations, graphs, runtime (vLLM measures it at start-up)
-    fp8: bool = True
-    node_devices_for_tp: dict[int, int] = field(default_factory=dict)  # devices a node gives replicas of that TP
-    source: str = ""
-
-
-PLATFORMS: dict[str, Platform] = {
-    "gaudi2": Platform("gaudi2", 96 * GB, 8, 128, (1, 2, 4, 8), 4 * GB,
-                       source="Gaudi 2: 96 GB HBM per card, 8 cards per node"),
-    "gaudi3": Platform("gaudi3", 128 * GB, 8, 128, (1, 2, 4, 8), 4 * GB,
-                       source="Gaudi 3: 128 GB HBM per card, 8 cards per node"),
-    "aurora-pvc": Platform("aurora-pvc", 64 * GIB, 12, 64, (1, 2, 4, 8), 2 * GIB, fp8=False,
-                           node_devices_for_tp={8: 8},
-                           source="Aurora: 6 PVC GPUs x 2 tiles = 12 tiles of 64 GiB per node; TP 8 uses 8 tiles "
-                                  "(the Ray set-up); no FP8 on PVC"),
-    "cuda": Platform("cuda", 80 * GB, 8, 16, (1, 2, 4, 8), 2 * GB,
-                     source="CUDA: 80 GB per GPU, 8 GPUs per node (override with --device-memory-gb)"),
-    "cpu": Platform("cpu", 4 * GIB, 1, 128, (1,), 0.0,
-                    source="CPU: the KV cache is VLLM_CPU_KVCACHE_SPACE (--kv-cache-space-gib)"),
-}
 
 
 @dataclass(frozen=True)
@@ -355,9 +324,10 @@ class Plan:
 
 
 def plan(model: str | Path, target: Target) -> Plan:
-    if target.platform not in PLATFORMS:
-        raise PlanError(f"--platform {target.platform!r}: one of {', '.join(PLATFORMS)}")
-    pf = PLATFORMS[target.platform]
+    try:
+        pf = platforms.get(target.platform)
+    except platforms.UnknownPlatform:
+        raise PlanError(f"--platform {target.platform!r}: one of {', '.join(platforms.names())}") from None
     if target.dtype not in ("bf16", "fp8"):
         raise PlanError(f"--dtype {target.dtype!r}: bf16 or fp8")
     if target.dtype == "fp8" and not pf.fp8:
@@ -374,8 +344,8 @@ def plan(model: str | Path, target: Target) -> Plan:
         raise PlanError(f"--max-model-len {target.max_model_len} is past the model's max_position_embeddings "
                         f"({s.max_position}); vLLM refuses it")
     block = target.block_size or pf.block_size
-    if pf.name == "cpu" and block % 32:
-        raise PlanError(f"--block-size {block}: the CPU build needs a multiple of 32")
+    if block % pf.block_multiple:
+        raise PlanError(f"--block-size {block}: vLLM on {pf.name} needs a multiple of {pf.block_multiple}")
     element = DTYPE_BYTES["fp8"] if target.kv_cache_dtype == "fp8" else 2
     w = weights(s, folder, "fp8" if target.dtype == "fp8" else "bf16")
     memory = (target.device_memory_gb * GB) if target.device_memory_gb else pf.memory_bytes
@@ -391,7 +361,7 @@ def plan(model: str | Path, target: Target) -> Plan:
         if per_node == 0:
             return Option(tp, False, f"a node has {pf.devices_per_node} devices", pp)
         weights_share = w.bytes / (tp * pp)  # what each device of the replica holds
-        if pf.name == "cpu":
+        if not pf.accelerator:
             kv_mem = target.kv_cache_space_gib * GIB
         else:
             kv_mem = memory * target.gpu_memory_utilization - weights_share - reserve
@@ -413,7 +383,7 @@ def plan(model: str | Path, target: Target) -> Plan:
         return Option(tp, full >= 1, why, pp, per_node, replicas, kv_mem, blocks, full, max_seqs)
 
     options = [option(tp) for tp in sizes]
-    if not any(o.fits for o in options) and pf.name != "cpu":
+    if not any(o.fits for o in options) and pf.accelerator:
         # one node is not enough: a replica over several nodes, each stage a full node
         top = max(sizes)
         for pp in range(2, target.nodes + 1):
@@ -459,7 +429,7 @@ def table(p: Plan) -> str:
         f"KV bytes per token: {p.kv.per_token:,} = {p.kv.formula}",
         f"KV for one {t.max_model_len:,}-token sequence: {_gb(p.kv.per_sequence(t.max_model_len))}",
         f"platform: {p.platform.source}; block size {p.block_size}; "
-        + (f"KV space {t.kv_cache_space_gib:g} GiB" if p.platform.name == "cpu"
+        + (f"KV space {t.kv_cache_space_gib:g} GiB" if not p.platform.accelerator
            else f"gpu_memory_utilization {t.gpu_memory_utilization}") + f"; {t.nodes} node(s)",
         "",
         "| TP x PP | replicas per node | replicas | KV per device | num_gpu_blocks | cached tokens per replica "
@@ -501,11 +471,6 @@ def kvroute_config(p: Plan, base_port: int = 8100) -> dict[str, Any]:
     return {"replicas": replicas}
 
 
-def _tile_mask(first: int, tp: int) -> str:
-    """ZE_AFFINITY_MASK for tiles first..first+tp-1 of a node (GPU.tile, two tiles per GPU)."""
-    return ",".join(f"{d // 2}.{d % 2}" for d in range(first, first + tp))
-
-
 def serve_commands(p: Plan, model_path: str | None = None, base_port: int = 8100,
                    kv_events_base_port: int = 5557) -> list[tuple[dict[str, str], list[str]]]:
     """(environment, argv) of ``vllm serve`` for each replica of one node (a pipeline-parallel replica: the
@@ -525,34 +490,15 @@ def serve_commands(p: Plan, model_path: str | None = None, base_port: int = 8100
                 "--tensor-parallel-size", str(o.tp), "--block-size", str(p.block_size),
                 "--max-model-len", str(t.max_model_len), "--max-num-seqs", str(o.max_num_seqs),
                 "--enable-prefix-caching", "--kv-events-config", json.dumps(events, separators=(",", ":"))]
-        env: dict[str, str] = {}
-        if p.platform.name != "cpu":
+        if p.platform.accelerator:
             argv += ["--gpu-memory-utilization", str(t.gpu_memory_utilization), "--dtype", "bfloat16"]
         if t.kv_cache_dtype == "fp8":
             argv += ["--kv-cache-dtype", "fp8"]
         if o.pp > 1:  # on the head node of a Ray cluster spanning the replica's nodes
             argv += ["--pipeline-parallel-size", str(o.pp), "--distributed-executor-backend", "ray"]
-        if p.platform.name.startswith("gaudi"):
-            env["PT_HPU_RECIPE_CACHE_CONFIG"] = f"/data/recipe_cache/tp{o.tp},False,16384"
-            env["VLLM_DECODE_BS_BUCKET_MAX"] = str(o.max_num_seqs)
-            env["VLLM_DECODE_BLOCK_BUCKET_MAX"] = str(min(o.num_gpu_blocks, o.max_num_seqs * math.ceil(
-                t.max_model_len / p.block_size)))
-            env["HABANA_VISIBLE_MODULES"] = ",".join(str(d) for d in range(i * o.tp, (i + 1) * o.tp))
-            if t.dtype == "fp8":
-                env["QUANT_CONFIG"] = "/data/quant/maxabs_quant.json"
-                argv += ["--quantization", "inc"]  # Intel Neural Compressor, with the measured scales in QUANT_CONFIG
-        elif p.platform.name == "aurora-pvc":
-            env["ZE_AFFINITY_MASK"] = _tile_mask(i * o.tp, o.tp)
-            env["VLLM_HOST_IP"] = "$(hostname -i)"
-            if o.tp > 1:
-                argv += ["--distributed-executor-backend", "mp"]
-        elif p.platform.name == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(i * o.tp, (i + 1) * o.tp))
-            if t.dtype == "fp8":
-                argv += ["--quantization", "fp8"]
-        else:
-            env["VLLM_TARGET_DEVICE"] = "cpu"
-            env["VLLM_CPU_KVCACHE_SPACE"] = f"{t.kv_cache_space_gib:g}"
+        env, extra = p.platform.launch(platforms.Launch(i, o.tp, o.max_num_seqs, o.num_gpu_blocks, t.max_model_len,
+                                                        p.block_size, t.dtype, t.kv_cache_space_gib))
+        argv += extra
         out.append((env, argv))
     return out
 

@@ -23,8 +23,8 @@ from typing import Any, Literal, Sequence
 
 import orjson
 
-from .config import HealthConfig, IndexConfig, PLATFORMS, ProxyConfig, ReplicaConfig
-from . import hops
+from . import hops, platforms
+from .config import HealthConfig, IndexConfig, ProxyConfig, ReplicaConfig
 from .events import (EventBus, ReplicaAdded, ReplicaModels, ReplicaReady, ReplicaRemoved, ReplicaRestarted,
                      ReplicaUnready)
 from .load import LoadTable
@@ -139,7 +139,7 @@ class Replica:
             return self.config.block_size
         if self.stats and self.stats.block_size:
             return self.stats.block_size
-        return PLATFORMS[self.config.platform].block_size
+        return platforms.get(self.config.platform).block_size
 
     @property
     def kv_blocks(self) -> int:

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from router.config import PLATFORMS, CacheAwareConfig, ConfigError, PolicyConfig, ReplicaConfig
+from router import platforms
+from router.config import CacheAwareConfig, ConfigError, PolicyConfig, ReplicaConfig
 from router.metrics import Metrics
 from router.policy import (BelowCapacity, KVUsageScorer, LoadScorer, MaxScorePicker, NoCandidate,
                            PredictedTTFTScorer, RoundRobinPicker, SessionScorer, build_policy)
@@ -19,7 +20,7 @@ def view(name, inflight=0, ready=True, models=("m",), drained=False, pending=0, 
     c = ReplicaConfig(name=name, url=f"http://{name}:8000", **cfg)
     return ReplicaView(name=name, ready=ready, drained=drained, models=frozenset(models),
                        max_num_seqs=c.max_num_seqs, capacity=c.capacity,
-                       block_size=c.block_size or PLATFORMS[c.platform].block_size,
+                       block_size=c.block_size or platforms.get(c.platform).block_size,
                        kv_blocks=c.num_gpu_blocks or 16384, prefill_rate=c.prefill_rate,
                        max_num_batched_tokens=c.max_num_batched_tokens, kv_usage=kv_usage,
                        external_load=external, inflight=inflight, pending_prefill=pending)
@@ -369,4 +370,10 @@ def test_platform_defaults():
     def block_size(platform):
         return Replica(ReplicaConfig(name="r", url="http://r:1", platform=platform), None, Metrics()).block_size
 
-    assert (block_size("gaudi2"), block_size("aurora-pvc"), block_size("cuda")) == (128, 16, 16)
+    # Aurora: vLLM's XPU platform uses blocks of 64 when --block-size is not given
+    assert (block_size("gaudi2"), block_size("aurora-pvc"), block_size("cuda")) == (128, 64, 16)
+
+
+def test_an_unknown_platform_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match="unknown platform 'tpu'.*gaudi2, gaudi3, aurora-pvc, cuda, cpu"):
+        ReplicaConfig(url="http://r:1", platform="tpu")
