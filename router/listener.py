@@ -12,7 +12,7 @@ could hold sockets and memory that way. :class:`Listener` is that protocol with 
 
 Each refusal counts in ``kvroute_client_refused_total{reason}`` and is logged, at most once per
 10 s per reason with the count since. The request body's own limit (time between its chunks,
-``client.body_timeout_s``) is applied where the body is read (:mod:`router.api`).
+``client.body_timeout_s``) is applied where the body is read (:mod:`router.bodies`).
 """
 
 from __future__ import annotations

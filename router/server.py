@@ -18,7 +18,7 @@ def run_server(config: RouterConfig, share: Any = None, worker: int = 0, sockets
 
     import uvicorn
 
-    from .api import build_app
+    from .app import build_app
     from .listener import Refusals, listener_class
 
     class Server(uvicorn.Server):

@@ -107,7 +107,7 @@ def test_cli_check_config_masks_keys():
 
 
 def test_index_default_blocks_sizes_replicas_whose_cache_is_not_known_yet():
-    from router.api import Gateway
+    from router.gateway import Gateway
     from router.config import RouterConfig
     cfg = RouterConfig(replicas=[{"url": "http://127.0.0.1:9"}, {"url": "http://127.0.0.1:10", "num_gpu_blocks": 77}],
                        index={"default_blocks": 1234})

@@ -1,0 +1,125 @@
+"""The admin API: the replicas and how they are seen, registration and removal, drains, and why a request
+would go where it goes (``/admin/explain``). Loopback only unless ``auth.admin_key`` is set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from . import errors
+from .api import ProxyEndpoint, request_id_from
+from .bodies import read_body
+from .errors import GatewayError
+from .gateway import Gateway
+from .membership import MembershipError
+
+_ADMIN_BODY_BYTES = 64 * 1024
+
+
+def add_admin_routes(app: FastAPI, gw: Gateway, endpoints: dict[str, ProxyEndpoint]) -> None:
+    config = gw.config
+
+    def _admin(request: Request) -> None:
+        client = request.scope.get("client")
+        host = client[0] if client else None
+        if any(k in (b"x-forwarded-for", b"forwarded") for k, _ in request.scope["headers"]):
+            host = None  # relayed by a proxy on this host: the real client is elsewhere, never loopback
+        gw.auth.check_admin(request.scope["headers"], host)
+
+    def _replica(name: str):
+        r = gw.pool.get(name)
+        if r is None:
+            raise errors.not_found(f"no replica named {name!r}")
+        return r
+
+    @app.get("/admin/replicas")
+    async def admin_replicas(request: Request) -> Response:
+        _admin(request)
+        return JSONResponse({
+            "policy": gw.policy.name,
+            "index": gw.router.index.name if gw.router.index is not None else None,
+            "prompt_keys": gw.router.keys.describe() if gw.router.keys is not None else None,
+            "queue_length": gw.admission.queue_length,
+            "conversations": gw.router.conversations.describe() if gw.router.conversations is not None else None,
+            "replicas": [_describe(r) for r in gw.pool],
+        })
+
+    def _describe(r: Any) -> dict[str, Any]:
+        out = gw.pool.describe(r)
+        out.update(gw.membership.describe(r.name))
+        index = gw.router.index
+        if index is not None:
+            events = gw.feed.describe(r.name) if gw.feed is not None else None
+            out["index"] = {"mode": "precise" if index.is_exact(r.name) else "approximate",
+                            "event_blocks_held": index.held_blocks(r.name),
+                            "events": events}
+        return out
+
+    def _membership_error(e: MembershipError) -> GatewayError:
+        kind, code = {400: ("invalid_request_error", "invalid_replica"), 404: ("not_found_error", "not_found"),
+                      409: ("invalid_request_error", "conflict")}.get(e.status, ("service_unavailable", "unavailable"))
+        return GatewayError(e.status, str(e), kind, code)
+
+    @app.post("/admin/explain/{path:path}")
+    async def admin_explain(path: str, request: Request) -> Response:
+        """Where a request would go and why, without sending it: the body a client would POST to ``/{path}``."""
+        _admin(request)
+        endpoint = endpoints.get("/" + path)
+        if endpoint is None:
+            raise errors.not_found(f"/{path} is not routed; explain one of: {', '.join(endpoints)}")
+        headers = request.scope["headers"]
+        _, _, route = await endpoint.read(headers, request.receive, request_id_from(headers))
+        await gw.router.prepare(route)
+        return JSONResponse({"model": route.model, "prompt_tokens": route.prompt_tokens,
+                             "index_fallback": route.index_fallback, "session_replica": route.session_replica,
+                             # on a large fleet, the few replicas its decision weighs (see router.candidates)
+                             "weighed": "all" if route.candidates is None else len(route.candidates),
+                             **gw.policy.explain(route, gw.admission.views(route.candidates))})
+
+    @app.post("/admin/replicas")
+    async def admin_register(request: Request) -> Response:
+        _admin(request)
+        body = await read_body(request.receive, request.scope["headers"], _ADMIN_BODY_BYTES, config.client,
+                               gw.metrics)
+        try:
+            data = orjson.loads(body)
+        except ValueError as e:
+            raise errors.bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        url = data.get("url") if isinstance(data, dict) else None
+        if isinstance(url, str) and await gw.pool.reaches_this_router(url):
+            raise errors.bad_request("replica.url reaches this router itself: a replica must be a vLLM server", "url",
+                                     "replica_is_this_router")
+        try:
+            cfg = await gw.membership.register(data)
+        except MembershipError as e:
+            raise _membership_error(e) from None
+        return JSONResponse(_describe(gw.pool.replicas[cfg.name]), status_code=201)
+
+    @app.delete("/admin/replicas/{name}")
+    async def admin_deregister(name: str, request: Request) -> Response:
+        _admin(request)
+        try:
+            await gw.membership.deregister(name)
+        except MembershipError as e:
+            raise _membership_error(e) from None
+        r = gw.pool.get(name)
+        return JSONResponse(_describe(r) if r is not None else {"name": name, "removed": True}, status_code=202)
+
+    @app.post("/admin/replicas/{name}/drain")
+    async def admin_drain(name: str, request: Request) -> Response:
+        _admin(request)
+        r = _replica(name)
+        gw.pool.set_drained(r, True)
+        return JSONResponse(_describe(r))
+
+    @app.post("/admin/replicas/{name}/undrain")
+    async def admin_undrain(name: str, request: Request) -> Response:
+        _admin(request)
+        r = _replica(name)
+        if gw.membership.describe(name).get("removing"):
+            raise GatewayError(409, f"replica {name!r} is being removed", "invalid_request_error", "conflict")
+        gw.pool.set_drained(r, False)
+        return JSONResponse(_describe(r))
