@@ -24,7 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from . import platforms
 from .store.client import parse_url
 
-POLICIES = ("cache-aware", "least-loaded", "round-robin")
 
 
 class _Model(BaseModel):
@@ -378,6 +377,18 @@ class LogConfig(_Model):
     json_format: bool = Field(False, alias="json", description="one JSON object per line")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+
+
+# The named policies: every other module reads them from here.
+PRESETS: dict[str, PolicyConfig] = {
+    # costs within about a millisecond (0.1% of 1 + cost seconds) are ties: an index's occupancy differing by
+    # a block or two should not decide where a cold prompt goes, taking turns should
+    "cache-aware": PolicyConfig(scorers=[StageConfig(name="predicted-ttft")],
+                                picker=StageConfig(name="max-score", tie_tolerance=0.001)),
+    "least-loaded": PolicyConfig(scorers=[StageConfig(name="load"), StageConfig(name="session")]),
+    "round-robin": PolicyConfig(scorers=[StageConfig(name="session")], picker="round-robin"),
+}
+POLICIES = tuple(PRESETS)
 
 
 class RouterConfig(_Model):

@@ -1,0 +1,115 @@
+"""The cache-aware cost: a replica's predicted time to first token for a request, as a scorer
+(``predicted-ttft``, the ``cache-aware`` preset). Its terms are documented on :class:`PredictedTTFTScorer`."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..config import CacheAwareConfig
+from ..request import RouteRequest
+from ..view import ReplicaView
+from .stages import Scorer, register_scorer
+
+
+def _seconds(fixed_s: float | None, tokens: float, view: ReplicaView) -> float:
+    """A weight set in fixed seconds, else the time ``view`` takes to prefill ``tokens`` prompt tokens."""
+    return fixed_s if fixed_s is not None else tokens / view.prefill_rate
+
+
+class CostTerms(NamedTuple):
+    """The parts of a replica's predicted-TTFT cost, in seconds (see :class:`PredictedTTFTScorer`)."""
+
+    prefill_s: float  # its uncached prompt tokens, and queued prefill that waits for earlier steps
+    shared_step_s: float  # queued prefill that shares this request's step
+    evict_s: float
+    load_s: float
+    kv_s: float
+    occupancy_s: float
+    session_s: float  # 0, or minus the bonus for the session's last replica
+    returning_s: float  # conversations between turns, expected back
+
+
+@register_scorer("predicted-ttft")
+class PredictedTTFTScorer(Scorer):
+    """Prefers the replica expected to produce the first token soonest.
+
+    cost (seconds) = (uncached prompt tokens + queued prefill that will not fit in its step) / prefill rate
+                   + queued prefill that fits in its step x seconds a token adds to a step
+                   + evict_weight x (uncached whole blocks beyond the free part of its cache) / prefill rate
+                   + load_weight_tokens / prefill rate (or load_weight_s) x load / max_num_seqs
+                   + the same x returning_weight x requests its waiting conversations are expected to send
+                   + kv_weight_s x (KV cache usage above kv_threshold, scaled to 0..1)
+                   + occupancy_weight_tokens / prefill rate (or occupancy_weight_s)
+                     x share of its KV blocks the index holds (if the prompt adds a block)
+                   - session_bonus_s if it served this session last
+    score = 1 / (1 + cost), each term one field of :class:`CostTerms`. Uncached tokens come from the prefix
+    index (``req.cached``). Its
+    parameters default to the ``cache_aware`` section of the configuration.
+    """
+
+    Params = CacheAwareConfig
+    uses_prefix = True
+
+    def __init__(self, params: CacheAwareConfig | None = None) -> None:
+        super().__init__(params)
+        self.cfg = params or CacheAwareConfig()
+
+    def cost(self, req: RouteRequest, view: ReplicaView) -> float:
+        return max(0.0, sum(self._terms(req, view)))
+
+    def terms(self, req: RouteRequest, view: ReplicaView) -> CostTerms:
+        return CostTerms(*self._terms(req, view))
+
+    def _terms(self, req: RouteRequest, view: ReplicaView) -> tuple[float, ...]:
+        """The terms in :class:`CostTerms` order, as a plain tuple (the hot path sums them)."""
+        cfg = self.cfg
+        uncached = req.uncached(view.name)
+        # vLLM prefills several requests in one scheduler step (chunked prefill): queued prefill that
+        # does not fit in a step beside this request's own waits for earlier steps; what fits lengthens
+        # the shared step by the time its tokens add to a step (nothing while that is not known)
+        pending = view.pending_prefill
+        queued = min(pending, max(0, pending + uncached - view.max_num_batched_tokens))
+        prefill = (uncached + queued) / view.prefill_rate
+        shared_step = (pending - queued) * view.prefill_marginal_s
+        # the index holds a prompt's blocks once they are computed: blocks taken by prompts still in prefill
+        # there are in use too, not room (without them a busy replica looks like the emptiest)
+        cache_tokens = view.kv_blocks * view.block_size
+        occupancy = min(1.0, req.occupancy.get(view.name, 0.0) + pending / cache_tokens)
+        stored = uncached - uncached % view.block_size  # the whole blocks it adds to the cache (about)
+        evict = 0.0
+        if cfg.evict_weight and stored:
+            # what does not fit in the free part of its cache pushes out cached prefixes, which their
+            # owners will have to prefill again: a small shared prefix should not pull new prompts onto
+            # a full replica while others have room
+            free = (1.0 - occupancy) * cache_tokens
+            evict = cfg.evict_weight * max(0.0, stored - free) / view.prefill_rate
+        # a queue weighs against cache hits in one unit: seconds of this replica's prefill. In fixed
+        # seconds it was too light where prefill is slow (a 70B model on Gaudi 2: a 1,024-token system prompt
+        # is worth 0.13 s, and conversations piled on the replica that held it) or too heavy where it is fast
+        per_seq = _seconds(cfg.load_weight_s, cfg.load_weight_tokens, view) / view.max_num_seqs
+        load = per_seq * view.load
+        # conversations between turns will be back, with histories that need its cache: placing new ones
+        # by the requests in flight alone piles a burst of them on whichever replica is quickest that moment
+        returning = per_seq * cfg.returning_weight * req.returning.get(view.name, 0.0)
+        kv = 0.0
+        if view.kv_usage > cfg.kv_threshold:
+            # only a nearly full cache delays a new request (vLLM queues or preempts then); below
+            # that, a scrape up to an interval old would only steer prefixes away from their cache
+            over = (view.kv_usage - cfg.kv_threshold) / (1.0 - cfg.kv_threshold)
+            kv = cfg.kv_weight_s * min(1.0, over)
+        occupied = 0.0
+        if stored:  # a prompt that adds no block to the cache evicts nothing
+            # in the same unit as the hits too: as a fixed 0.1 s it was 3,000 tokens' prefill on replicas that
+            # prefill 30,000 tokens/s, and moved conversations off their cache as it filled
+            occupied = _seconds(cfg.occupancy_weight_s, cfg.occupancy_weight_tokens, view) * occupancy
+        session = 0.0
+        if req.session_replica is not None and req.session_replica == view.name:
+            session = -cfg.session_bonus_s
+        return prefill, shared_step, evict, load, kv, occupied, session, returning
+
+    def explain(self, req: RouteRequest, view: ReplicaView) -> dict[str, float]:
+        terms = self.terms(req, view)
+        return {"cost_s": max(0.0, sum(terms)), **terms._asdict()}
+
+    def __call__(self, req: RouteRequest, view: ReplicaView) -> float:
+        return 1.0 / (1.0 + self.cost(req, view))

@@ -1,0 +1,56 @@
+"""The built-in filters: which replicas may take a request at all (ready, serving its model, not drained, not
+tried already, below capacity)."""
+
+from __future__ import annotations
+
+from ..request import RouteRequest
+from ..view import ReplicaView
+from .stages import Filter, register_filter
+
+
+@register_filter("ready")
+class Ready(Filter):
+    when_empty = "no_ready"
+
+    def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
+        return view.ready
+
+
+@register_filter("serves-model")
+class ServesModel(Filter):
+    when_empty = "unknown_model"
+
+    def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
+        return req.model is None or req.model in view.models
+
+
+@register_filter("not-drained")
+class NotDrained(Filter):
+    when_empty = "drained"
+
+    def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
+        return not view.drained
+
+
+@register_filter("not-tried")
+class NotTried(Filter):
+    """Retries never go back to a replica that failed this request, unless it restarted since."""
+
+    when_empty = "tried"
+
+    def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
+        tried = req.exclude.get(view.name)
+        return tried is None or view.restarts > tried  # a replica that restarted since is a new process
+
+
+@register_filter("below-capacity")
+class BelowCapacity(Filter):
+    """Fewer of this host's requests in flight than ``max_num_seqs``."""
+
+    when_empty = "at_capacity"
+
+    def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
+        return view.inflight < view.max_num_seqs
+
+
+DEFAULT_FILTERS = ("ready", "serves-model", "not-drained", "not-tried", "below-capacity")
