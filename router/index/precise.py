@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Sequence
 
-from ..kv_events.decode import AllBlocksCleared, Batch, BlockHash, BlockRemoved, BlockStored
+from ..block_events import AllBlocksCleared, Batch, BlockHash, BlockRemoved, BlockStored
 from ..prefix import chain_tokens, root_seed
 from . import CLEAR, GPU, REMOVE, SLOW, STORE, Match, Op, PrefixIndex, Probe, Receipt
 
