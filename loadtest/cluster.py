@@ -27,18 +27,37 @@ ROOT = Path(__file__).resolve().parent.parent
 HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=5.0)
 
 
-# Ports handed out by this process. The kernel may give a just-closed port to the next bind(0): a replica's
-# HTTP port and its event ports, picked one after the other before the replica binds any, could then be the same.
+# Ports handed out by this process. They come from below the kernel's ephemeral range: a port the kernel
+# chooses itself (a bind to port 0, as a replica's event publisher does while it starts; a client
+# connection's own end) can then never be one handed out here for a process still about to bind it.
 _issued: set[int] = set()
 
 
+def _handed_out_range() -> tuple[int, int]:
+    """Ports below the kernel's ephemeral range (``ip_local_port_range``), or 20000-60000 if that leaves few."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return (10000, low) if low - 10000 >= 4096 else (20000, 60000)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 def free_port() -> int:
-    """A port free on 127.0.0.1 now and not handed out before by this process."""
+    """A port free on 127.0.0.1 now, not handed out before by this process, and not one the kernel hands out."""
+    import random
+    lo, hi = _handed_out_range()
     for _ in range(1000):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _issued:
+        port = random.randrange(lo, hi)
+        if port not in _issued and _bindable(port):
             _issued.add(port)
             return port
     raise RuntimeError("no free port that was not handed out already")
@@ -48,23 +67,14 @@ def free_ports(n: int) -> int:
     """The first of ``n`` consecutive free ports, none handed out before by this process (for a process serving
     several replicas)."""
     import random
+    lo, hi = _handed_out_range()
     for _ in range(100):
-        base = random.randrange(20000, 60000 - n)
+        base = random.randrange(lo, hi - n)
         if not _issued.isdisjoint(range(base, base + n)):
             continue
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
+        if all(_bindable(base + i) for i in range(n)):
             _issued.update(range(base, base + n))
             return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
@@ -214,10 +224,13 @@ def redis_server(port: int | None = None, log_dir: Path | None = None) -> Proc:
 
 
 def _cluster_port() -> int:
-    """A free port for a cluster node: at most 55535, with the cluster bus port (10000 higher) free too."""
+    """A free port for a cluster node, with the cluster bus port (10000 higher) free too; both below the kernel's
+    ephemeral range where it leaves room (see :func:`free_port`)."""
     import random
+    lo, hi = _handed_out_range()
+    lo, hi = (lo, hi - 10000) if hi - 10000 - lo >= 2000 else (20000, 45000)
     for _ in range(1000):
-        port = random.randrange(20000, 45000)
+        port = random.randrange(lo, hi)
         if port in _issued or port + 10000 in _issued:
             continue
         try:
