@@ -25,7 +25,6 @@ from . import platforms
 from .store.client import parse_url
 
 
-
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 

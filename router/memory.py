@@ -12,10 +12,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-import logging
 from typing import Any
-
-log = logging.getLogger("kvroute.memory")
 
 _DELAY_S = 1.0
 
@@ -41,8 +38,7 @@ class FreedMemory:
 
     def __init__(self) -> None:
         self._pending: asyncio.TimerHandle | None = None
-        self._running: asyncio.Task[None] | None = None
-        self.trims = 0
+        self._running: asyncio.Task[bool] | None = None
 
     def note(self) -> None:
         if _TRIM is None:
@@ -55,11 +51,7 @@ class FreedMemory:
     def _start(self) -> None:
         self._pending = None
         if self._running is None or self._running.done():
-            self._running = asyncio.get_running_loop().create_task(self._trim())
-
-    async def _trim(self) -> None:
-        await asyncio.to_thread(trim)
-        self.trims += 1
+            self._running = asyncio.get_running_loop().create_task(asyncio.to_thread(trim))
 
     async def close(self) -> None:
         if self._pending is not None:

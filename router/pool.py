@@ -33,7 +33,7 @@ from .metrics import Metrics
 from .prefill import PrefillEstimate
 from .replica_metrics import ReplicaStats, parse_metrics
 from .shared_load import SharedLoad
-from .upstream import ConnectFailed, Stalled, UpstreamError, UpstreamPool
+from .upstream import ConnectFailed, Stalled, UpstreamError, UpstreamPool, UpstreamResponse
 from .view import ReplicaView, with_load, with_others
 
 log = logging.getLogger("kvroute.pool")
@@ -425,15 +425,19 @@ class ReplicaPool:
         r.request_failures += 1
         if r.request_failures < self.health.eject_after or r.state != "ready":
             return
+        self._eject(r, f"{self.health.eject_after} requests in a row failed (last: {why})")
+
+    def _eject(self, r: Replica, why: str) -> None:
+        """Out of rotation for ``health.eject_s``, doubled each time it goes out again soon after (at most ten
+        times that), however its /health answers; ``why`` goes to ``last_error`` and the log."""
         backoff = min(self.health.eject_s * 2 ** r.ejections, 10 * self.health.eject_s)
         r.ejections += 1
         r.ejected_until = time.monotonic() + backoff
         r.request_failures = 0
         r.successes = 0
-        r.last_error = f"ejected for {backoff:g} s: {self.health.eject_after} requests in a row failed (last: {why})"
+        r.last_error = f"ejected for {backoff:g} s: {why}"
         self.metrics.replica_ejections.labels(r.name).inc()
-        log.warning("replica %s taken out of rotation for %g s: %d requests in a row failed (last: %s)", r.name,
-                    backoff, self.health.eject_after, why, extra={"replica": r.name})
+        log.warning("replica %s taken out of rotation: %s", r.name, r.last_error, extra={"replica": r.name})
         self._take_out(r, r.last_error)
 
     def mark_success(self, r: Replica) -> None:
@@ -471,7 +475,7 @@ class ReplicaPool:
         timeout = self.health.timeout_s
         async with asyncio.timeout(timeout):
             resp = await r.control.request(b"GET", path, _CONTROL_HEADERS + r.header_lines, b"", timeout)
-            if self.instance is not None and resp.header(hops.INSTANCE.encode()) == self.instance.encode():
+            if self._is_this_router(resp):
                 resp.release()
                 raise _ThisRouter("this URL reaches this router itself")
             try:
@@ -481,6 +485,10 @@ class ReplicaPool:
             finally:
                 resp.release()
         return resp.status, body
+
+    def _is_this_router(self, resp: UpstreamResponse) -> bool:
+        """The answer carries this router's own instance id (router.hops)."""
+        return self.instance is not None and resp.header(hops.INSTANCE.encode()) == self.instance.encode()
 
     async def reaches_this_router(self, url: str) -> bool:
         """Whether ``url`` answers as this very router (asked once, within 2 s; unreachable: no)."""
@@ -494,7 +502,7 @@ class ReplicaPool:
             async with asyncio.timeout(2.0):
                 resp = await probe.request(b"GET", "/health", _CONTROL_HEADERS, b"", 2.0)
                 try:
-                    return resp.header(hops.INSTANCE.encode()) == self.instance.encode()
+                    return self._is_this_router(resp)
                 finally:
                     resp.release()
         except (UpstreamError, TimeoutError, OSError):
@@ -618,15 +626,7 @@ class ReplicaPool:
         waited = r.upstream.unanswered_for(now)
         if waited < self.health.stall_s:
             return
-        backoff = min(self.health.eject_s * 2 ** r.ejections, 10 * self.health.eject_s)
-        r.ejections += 1
-        r.ejected_until = now + backoff
-        r.successes = 0
-        r.last_error = (f"stalled: answered none of its requests for {waited:.0f} s and its engine made no progress; "
-                        f"out for {backoff:g} s")
-        self.metrics.replica_ejections.labels(r.name).inc()
-        log.warning("replica %s %s", r.name, r.last_error, extra={"replica": r.name})
-        self._take_out(r, r.last_error)
+        self._eject(r, f"stalled: answered none of its requests for {waited:.0f} s and its engine made no progress")
         moved_on = r.upstream.abort_unanswered(Stalled(f"replica {r.name} stalled"))
         log.info("replica %s: %d waiting request(s) sent on to other replicas", r.name, moved_on,
                  extra={"replica": r.name})

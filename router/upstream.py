@@ -107,8 +107,10 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            why = e.__context__ if isinstance(e.__context__, ProtocolError) else f"invalid HTTP from the replica: {e}"
-            self.response._fail(why if isinstance(why, ProtocolError) else ProtocolError(why))
+            # a callback's own ProtocolError (a status no client can be given) comes through as the parser's context
+            cause = e.__context__
+            self.response._fail(cause if isinstance(cause, ProtocolError)
+                                else ProtocolError(f"invalid HTTP from the replica: {e}"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -266,8 +268,8 @@ class UpstreamResponse:
         return bytes(buf)
 
     def release(self) -> None:
-        self._pool._unanswered.pop(self, None)
         """Done with the response: the connection goes back to the pool only if the exchange is complete."""
+        self._pool._unanswered.pop(self, None)
         if self._released:
             return
         self._released = True
