@@ -18,9 +18,9 @@ HTTP path already account for; the rest is the profile's ``frontend_s``. It prin
 for ``loadtest/profiles.py``.
 
 ``check`` runs another shared-prefix workload (12 groups x 6 prompts, 1024-token system prompts, seed 5)
-through kvroute against 3 real replicas (once to warm them up, then ``measure``, then 5 times measured:
-the median run counts), then 3 times against 3 simulated ``cpu`` replicas as ``loadtest/profiles.py``
-stores the profile and 3 times with the figures ``measure`` just found on this machine, and compares
+through kvroute against 3 real replicas (once to warm them up, then ``measure``), against 3 simulated
+``cpu`` replicas as ``loadtest/profiles.py`` stores the profile and against 3 with the figures ``measure``
+just found on this machine, the three taking turns 5 times (the median run of each counts), and compares
 vLLM's prefix-cache hit rate and the median time to first token. A profile should reproduce the hit
 rate within 2 points and the median TTFT within 25% (``tests/test_calibration.py``, ``vllm`` marker).
 """
@@ -225,8 +225,9 @@ def _summary(found: list[RunResult]) -> dict[str, float]:
 
 def check(out: Path, runs: int = 5) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """One shared-prefix workload through kvroute: real replicas (measured first, on its own calibration workload),
-    then simulated ``cpu`` ones twice: as ``loadtest/profiles.py`` stores the profile, and with the figures just
-    measured on this machine. Returns each one's summary, and the figures measured."""
+    and simulated ``cpu`` ones twice: as ``loadtest/profiles.py`` stores the profile, and with the figures just
+    measured on this machine; the three take turns ``runs`` times. Returns each one's summary (the median run),
+    and the figures measured."""
     from router.tokenizer import LocalTokenizer
 
     from .bench_vllm import run_policy, shared_prefix
@@ -234,27 +235,31 @@ def check(out: Path, runs: int = 5) -> tuple[dict[str, dict[str, float]], dict[s
     home = vllm_cluster.setup()
     model = vllm_cluster.model_dir(home)
     convs = shared_prefix(LocalTokenizer(model), 12, 6, 1024, 64, seed=5)
-    results: dict[str, dict[str, float]] = {}
 
-    def workload(name: str, urls: list[str], n: int) -> dict[str, float]:
-        return _summary([asyncio.run(run_policy(f"{name}-{i}", ["--policy", "cache-aware"], 1, urls, convs, 4, 4,
-                                                out)) for i in range(n)])
-
+    found: dict[str, list[RunResult]] = {"real vLLM": [], "stored cpu profile": [],
+                                         "cpu profile measured in this run": []}
     procs = vllm_cluster.start_for_benchmarks(home, 3, BLOCKS, out)
     try:
         urls = [p.url for p in procs]
         # once to warm the replicas up (a new vLLM CPU replica compiles on its first requests), then measured
         asyncio.run(run_policy("warm", ["--policy", "cache-aware"], 1, urls, convs, 4, 4, out))
         measured = measure(urls, model, out)
-        results["real vLLM"] = workload("real", urls, runs)
+        measured["frontend_s"] = fit_frontend(measured, model, out)
+        # The real replicas wait idle while the simulated ones run and the runs take turns: this machine's speed
+        # moves from one minute to the next (a check once found real vLLM's median 40% above what the measurement
+        # made a minute before predicted), and taking turns lets that weigh on both sides alike.
+        with simulated(model, out) as stored, \
+                simulated(model, out, *step_flags(measured, measured["frontend_s"])) as fitted:
+            sides = (("real vLLM", "real", urls), ("stored cpu profile", "sim-stored", stored),
+                     ("cpu profile measured in this run", "sim-measured", fitted))
+            for i in range(runs):
+                for name, short, side in sides:
+                    found[name].append(asyncio.run(run_policy(
+                        f"{short}-{i}", ["--policy", "cache-aware"], 1, side, convs, 4, 4, out)))
     finally:
         for p in procs:
             p.stop(timeout=15)
-    measured["frontend_s"] = fit_frontend(measured, model, out)
-    with simulated(model, out) as urls:
-        results["stored cpu profile"] = workload("sim-stored", urls, 3)
-    with simulated(model, out, *step_flags(measured, measured["frontend_s"])) as urls:
-        results["cpu profile measured in this run"] = workload("sim-measured", urls, 3)
+    results = {name: _summary(runs_of) for name, runs_of in found.items()}
     return results, measured
 
 
