@@ -34,7 +34,7 @@ from router.load import LoadTable
 from router.metrics import Metrics
 from router.policy import build_policy
 from router.prefix import key_for
-from router.pool import ReplicaPool
+from router.replicas import ReplicaPool
 from router.request import RouteRequest
 from router.routing import Router
 from router.sessions import LocalSessions
@@ -72,7 +72,7 @@ def make_router(n: int, backend: str) -> tuple[Router, ReplicaPool, RedisIndex |
     load = LoadTable([c.name for c in cfgs], metrics)
     pool = ReplicaPool(cfgs, HealthConfig(), ProxyConfig(), metrics, load)
     for r in pool:
-        pool.mark_success(r)
+        pool.health.mark_success(r)
     policy = build_policy("cache-aware")
     admission = Admission(policy, load, pool.views, pool.view_of, QueueConfig(), metrics, pool.events)
     cfg = IndexConfig(backend=backend, timeout_s=1.0)

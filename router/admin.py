@@ -14,7 +14,7 @@ from .api import ProxyEndpoint, request_id_from
 from .bodies import read_body
 from .errors import GatewayError
 from .gateway import Gateway
-from .membership import MembershipError
+from .replicas.membership import MembershipError
 
 _ADMIN_BODY_BYTES = 64 * 1024
 
@@ -89,7 +89,7 @@ def add_admin_routes(app: FastAPI, gw: Gateway, endpoints: dict[str, ProxyEndpoi
         except ValueError as e:
             raise errors.bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
         url = data.get("url") if isinstance(data, dict) else None
-        if isinstance(url, str) and await gw.pool.reaches_this_router(url):
+        if isinstance(url, str) and await gw.pool.control.reaches_this_router(url):
             raise errors.bad_request("replica.url reaches this router itself: a replica must be a vLLM server", "url",
                                      "replica_is_this_router")
         try:

@@ -20,7 +20,7 @@ from .bodies import read_body
 from .errors import GatewayError
 from .failover import transcript_for
 from .gateway import Gateway
-from .proxy import Call, client_headers
+from .call import Call, client_headers
 from .request import RouteRequest
 from .responses import new_id, valid_id, with_id
 from .sessions import session_digest

@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 
 from .config import CandidatesConfig
 from .index import PrefixIndex
-from .pool import ReplicaPool
+from .replicas import ReplicaPool
 from .view import ReplicaView
 
 

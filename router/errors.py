@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 
 class GatewayError(Exception):
@@ -76,3 +77,19 @@ def no_ready_replica(model: str | None) -> GatewayError:
     what = f" for model `{model}`" if model else ""
     return GatewayError(503, f"no ready replica{what}", "service_unavailable_error", "no_ready_replica",
                         headers={"retry-after": "1"})
+
+
+async def send_error(send: Any, e: GatewayError, request_id: str) -> None:
+    body = e.body()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"x-request-id", request_id.encode("latin-1"))]
+    headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in e.headers.items()]
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def sse_error(tail: bytes, message: str, type: str, code: str) -> bytes:
+    """An SSE error event (after a blank line if the stream's ``tail`` did not end with one), then [DONE]."""
+    sep = b"" if tail.endswith(b"\n\n") else b"\n\n"
+    event = json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+    return sep + b"data: " + event + b"\n\ndata: [DONE]\n\n"

@@ -29,11 +29,12 @@ from .keys import PromptKeys
 from .kv_events.feed import EventFeed
 from .kv_events.lease import Lease
 from .load import HostShare, LoadTable
-from .membership import Membership
+from .replicas.membership import Membership
 from .metrics import Metrics
 from .policy import build_policy
-from .pool import ReplicaPool
-from .proxy import Forwarder, send_error
+from .replicas import ReplicaPool
+from .errors import send_error
+from .proxy import Forwarder
 from .responses import ResponseHomes, unavailable, unknown
 from .routing import Router
 from .sessions import build_sessions

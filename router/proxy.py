@@ -17,105 +17,30 @@ and free its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from .call import HOP_BY_HOP, Call, ClientStalled, WriteWatch, response_headers
 from .config import ProxyConfig
-from .errors import GatewayError
-from .failover import Splice, SpliceError, Transcript, continuation
+from .errors import GatewayError, send_error, sse_error
+from .failover import Splice, SpliceError, continuation
 from .failures import KINDS, FailureKind
 from .metrics import Metrics
-from .pool import ReplicaPool
-from .request import RouteRequest
+from .replicas import ReplicaPool
 from .routing import Router, Ticket
 from .upstream import ReadTimeout, UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvroute.proxy")
 
-# Request headers a client may pass on to a replica (credentials never: they come from config).
-_FORWARD_REQUEST_HEADERS = frozenset({b"content-type", b"accept", b"accept-encoding", b"traceparent", b"tracestate",
-                                      b"x-session-id", b"openai-organization", b"openai-project"})
-# Response headers that describe one hop only (the upstream parser gives names in lower case).
-_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
-                         b"proxy-authenticate", b"proxy-connection", b"date", b"server", b"x-request-id"})
 _MAX_ERROR_BODY = 64 * 1024
 _BUFFERED = 1 << 20  # a JSON answer up to this size is read whole before the client gets any of it
-# usage.prompt_tokens in an answer (the whole body, or a stream's usage chunk): teaches byte mode
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,9})')
 
 
 class _Cut(Exception):
     """A JSON answer larger than the buffer broke after part of it was sent: the connection is dropped."""
-
-
-class _ClientStalled(Exception):
-    """The client took none of its answer's bytes for ``client.send_timeout_s``: it is disconnected."""
-
-
-class _StallWatch:
-    """The limit on each write to a client, kept by one timer per request instead of one per write (a stream
-    writes once per event; an ``asyncio.timeout`` per write took 12% of the event loop's CPU on paced streams).
-
-    ``since`` is when the write in progress began (None between writes). The timer fires no later than that
-    write's deadline; a write still pending then cancels the request's task, with ``fired`` set."""
-
-    __slots__ = ("loop", "since", "fired", "_task", "_limit", "_timer")
-
-    def __init__(self, task: asyncio.Task[Any], limit: float) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.since: float | None = None
-        self.fired = False
-        self._task = task
-        self._limit = limit
-        self._timer = self.loop.call_later(limit, self._check)
-
-    def _check(self) -> None:
-        since = self.since
-        if since is not None and self.loop.time() - since >= self._limit - 1e-3:
-            self.fired = True
-            self._task.cancel()
-            return
-        # a write that starts after now has its deadline after now + limit
-        self._timer = self.loop.call_at((since if since is not None else self.loop.time()) + self._limit,
-                                        self._check)
-
-    def close(self) -> None:
-        self._timer.cancel()
-
-
-@dataclass
-class Call:
-    """One client request on its way through the gateway."""
-
-    path: str
-    body: bytes
-    model: str | None
-    stream: bool
-    request_id: str
-    headers: bytes  # the client's headers a replica may see, as HTTP/1.1 header lines
-    started: float
-    route: RouteRequest
-    attempts: int = 0
-    outcome: str = "ok"
-    replica: str = "none"
-    status: int = 0
-    ttfb: float | None = None
-    ticket: Ticket | None = None  # the latest attempt's
-    prompt_tokens: int | None = None  # the replica's usage.prompt_tokens, when it was looked for
-    sent_at: float = 0.0  # the last attempt's request went to the replica
-    upstream_ttfb: float | None = None  # from then to the replica's first body byte
-    sse_open: bool = False  # an SSE stream has started and not ended: it can still be closed with an error event
-    tail: bytes = b"\n\n"  # the last bytes sent on it
-    broken: str | None = None  # the failure kind that ended the answer after it started
-    resume: Transcript | None = None  # kept for a stream that may go on on another replica if its own fails
-    splice: Splice | None = None  # set while another replica continues the stream
-    continued: bytes | None = None  # the request body that asks for the continuation
-    method: bytes = b"POST"
 
 
 @dataclass
@@ -128,19 +53,6 @@ class _Failure:
     headers: list[tuple[bytes, bytes]] | None = None
     body: bytes = b""
     resume: bool = False  # a started stream broke, and another replica may continue it
-
-
-def client_headers(scope_headers: list[tuple[bytes, bytes]]) -> bytes:
-    """The client's headers a replica may see (never its credentials), as header lines."""
-    out = b""
-    has_encoding = False
-    for k, v in scope_headers:
-        if k in _FORWARD_REQUEST_HEADERS:
-            out += b"%s: %s\r\n" % (k, v)
-            has_encoding = has_encoding or k == b"accept-encoding"
-    if not has_encoding:
-        out += b"accept-encoding: identity\r\n"
-    return out
 
 
 class Forwarder:
@@ -170,7 +82,7 @@ class Forwarder:
         watcher = asyncio.create_task(watch_disconnect())
         client_send = send
         limit = self.send_timeout_s
-        stall = _StallWatch(task, limit)
+        stall = WriteWatch(task, limit)
 
         async def send(message: dict[str, Any]) -> None:  # noqa: F811 - every write has a limit
             stall.since = stall.loop.time()
@@ -180,7 +92,7 @@ class Forwarder:
                 if not stall.fired:
                     raise
                 task.uncancel()
-                raise _ClientStalled() from None
+                raise ClientStalled() from None
             finally:
                 stall.since = None
 
@@ -199,7 +111,7 @@ class Forwarder:
                 # the server stops (its shutdown grace is over): end the stream as vLLM ends one on an error
                 task.uncancel()
                 call.outcome = "shutdown"
-                await send({"type": "http.response.body", "more_body": False, "body": _sse_error(
+                await send({"type": "http.response.body", "more_body": False, "body": sse_error(
                     call.tail, "the router is shutting down", "service_unavailable_error", "shutting_down")})
                 return
             task.uncancel()
@@ -207,7 +119,7 @@ class Forwarder:
             call.status = call.status or 499
         except _Cut:
             pass  # returning unfinished makes the server drop the connection: the client sees a short answer
-        except _ClientStalled:
+        except ClientStalled:
             # returning unfinished drops the connection; the replica's request was closed on the way out
             call.outcome = "client_stalled"
             call.status = call.status or 499
@@ -323,7 +235,7 @@ class Forwarder:
                     if chunk is None:
                         break
                     if call.ttfb is None:
-                        self._first_byte(call, ticket, upstream.status)
+                        call.first_byte(ticket, upstream.status)
                     held.append(chunk)
                     size += len(chunk)
             except UpstreamError as e:
@@ -334,9 +246,9 @@ class Forwarder:
             if chunk is None:  # whole: one write
                 body = b"".join(held)
                 call.status = upstream.status
-                self._learn(call, ticket, body)
+                call.learn_prompt_tokens(ticket, body)
                 # the length of what came, whatever the replica's header said (a 204 or 304 has none)
-                headers = [(k, v) for k, v in _response_headers(call, ticket, upstream.headers)
+                headers = [(k, v) for k, v in response_headers(call, ticket, upstream.headers)
                            if k != b"content-length"]
                 if upstream.status in (204, 304):
                     body = b""
@@ -346,7 +258,7 @@ class Forwarder:
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 return None
         call.status = upstream.status
-        headers = _response_headers(call, ticket, upstream.headers)
+        headers = response_headers(call, ticket, upstream.headers)
         if sse:  # a stream may end with an error event or go on on another replica: its length is not known
             headers = [(k, v) for k, v in headers if k != b"content-length"]
         await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
@@ -380,7 +292,7 @@ class Forwarder:
                     break
                 if first:  # checked here: this loop runs for every chunk of every stream
                     first = False
-                    self._first_byte(call, ticket, upstream.status)
+                    call.first_byte(ticket, upstream.status)
                 if splice is not None:
                     chunk = splice.feed(chunk)
                     if not chunk:
@@ -391,7 +303,7 @@ class Forwarder:
                         continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 call.tail = chunk[-2:]
-                self._learn(call, ticket, chunk)
+                call.learn_prompt_tokens(ticket, chunk)
         except (UpstreamError, SpliceError) as e:
             kind = self._broke(call, ticket, e)
             if resume is not None and resume.resumable():
@@ -410,7 +322,7 @@ class Forwarder:
             message = f"the replica sent nothing for {wait:g} s" if kind.label == "stream_idle_timeout" else kind.message
             call.sse_open = False
             await send({"type": "http.response.body", "more_body": False,
-                        "body": _sse_error(call.tail, message, kind.type, kind.code)})
+                        "body": sse_error(call.tail, message, kind.type, kind.code)})
             return None
         call.sse_open = False
         await send({"type": "http.response.body", "body": resume.flush() if resume is not None else b"",
@@ -437,33 +349,14 @@ class Forwarder:
         call.outcome = "upstream_broke"
         call.broken = kind.label
         await send({"type": "http.response.body", "more_body": False,
-                    "body": _sse_error(call.tail, kind.message, kind.type, kind.code)})
-
-    @staticmethod
-    def _first_byte(call: Call, ticket: Ticket, status: int) -> None:
-        """The attempt's first byte came: routing hears it, and (for the answer's first) the time is taken."""
-        ticket.first_byte(status)
-        if call.ttfb is not None:  # a continuation: the client had its first byte long ago
-            return
-        now = time.perf_counter()
-        call.upstream_ttfb = now - call.sent_at
-        call.ttfb = now - call.started
-        ticket.replica.m_ttfb.observe(call.ttfb)
-
-    @staticmethod
-    def _learn(call: Call, ticket: Ticket, data: bytes) -> None:
-        """The replica's usage.prompt_tokens, which teaches byte mode its bytes per token."""
-        if ticket.learns_tokens and call.prompt_tokens is None and 200 <= call.status < 300:
-            found = _PROMPT_TOKENS.search(data)
-            if found is not None:
-                call.prompt_tokens = int(found.group(1))
+                    "body": sse_error(call.tail, kind.message, kind.type, kind.code)})
 
     async def _give_up(self, call: Call, send: Any, failure: _Failure) -> None:
         """Every attempt failed: answer the last replica's error as it was, or our own."""
         if failure.status is not None and failure.headers is not None:
             call.status = failure.status
             call.outcome = "upstream_error"
-            headers = [(k, v) for k, v in failure.headers if k not in _HOP_BY_HOP and k != b"content-length"]
+            headers = [(k, v) for k, v in failure.headers if k not in HOP_BY_HOP and k != b"content-length"]
             headers += [(b"content-length", str(len(failure.body)).encode()),
                         (b"x-request-id", call.request_id.encode("latin-1")),
                         (b"x-kvroute-replica", failure.replica.encode("latin-1"))]
@@ -491,27 +384,3 @@ class Forwarder:
                         "ttfb_ms": None if call.ttfb is None else round(call.ttfb * 1e3, 2),
                         "upstream_ttfb_ms": None if call.upstream_ttfb is None else round(call.upstream_ttfb * 1e3, 2),
                         "duration_ms": round(elapsed * 1e3, 2), "stream": call.stream, **decision})
-
-
-def _response_headers(call: Call, ticket: Ticket, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    out = [(k, v) for k, v in raw if k not in _HOP_BY_HOP]
-    out.append((b"x-request-id", call.request_id.encode("latin-1")))
-    out.append((b"x-kvroute-replica", ticket.name.encode("latin-1")))
-    if ticket.reason is not None:
-        out.append((b"x-kvroute-cached-tokens", b"%d" % ticket.cached_tokens))
-    return out
-
-
-async def send_error(send: Any, e: GatewayError, request_id: str) -> None:
-    body = e.body()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"x-request-id", request_id.encode("latin-1"))]
-    headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in e.headers.items()]
-    await send({"type": "http.response.start", "status": e.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-def _sse_error(tail: bytes, message: str, type: str, code: str) -> bytes:
-    sep = b"" if tail.endswith(b"\n\n") else b"\n\n"
-    event = json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
-    return sep + b"data: " + event + b"\n\ndata: [DONE]\n\n"

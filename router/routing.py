@@ -37,7 +37,7 @@ from .keys import PromptKeys
 from .load import LoadTable
 from .metrics import Metrics
 from .policy import NoCandidate, Policy
-from .pool import Replica, ReplicaPool
+from .replicas import Replica, ReplicaPool
 from .request import RouteRequest
 from .responses import ResponseHomes
 from .sessions import Sessions
@@ -258,7 +258,7 @@ class Router:
                 self._background.spawn(self._withdraw(receipt))
         failure = KINDS[kind]
         if failure.health == "eject":
-            self.pool.mark_failure(ticket.replica, f"{failure.message} (proxy)", immediate=True)
+            self.pool.health.mark_failure(ticket.replica, f"{failure.message} (proxy)", immediate=True)
         self._judge(ticket, kind)
         self.admission.release(ticket.name)
 
@@ -266,9 +266,9 @@ class Router:
         """Passive outlier detection: what this attempt's end says of its replica (a failure kind, or None
         for an answer that went through)."""
         if kind is None:
-            self.pool.request_outcome(ticket.replica, False)
+            self.pool.health.request_outcome(ticket.replica, False)
         elif KINDS[kind].health != "ignore":
-            self.pool.request_outcome(ticket.replica, True, KINDS[kind].message)
+            self.pool.health.request_outcome(ticket.replica, True, KINDS[kind].message)
 
     async def _withdraw(self, receipt: Receipt) -> None:
         assert self.index is not None

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .incremental import Incremental, WholeCheck, encode_whole
-from .render import SPECIAL_TOKENS, ChatTemplate, Unkeyable, render_chat
+from .chat_template import ChatTemplate
+from .render import SPECIAL_TOKENS, Unkeyable, render_chat
 
 log = logging.getLogger("kvroute.tokenizer")
 

@@ -11,7 +11,7 @@ import httpx
 
 from loadtest.cluster import HTTP, Proc
 from loadtest.tiny_model import WORDS
-from router.replica_metrics import parse_metrics
+from router.replicas.stats import parse_metrics
 
 
 # -- helpers used across tests ---------------------------------------------------------------

@@ -10,7 +10,7 @@ from helpers import HTTP, replicas_view, wait_until
 from loadtest.cluster import wait_redis
 from loadtest.simulator import PrefixCache, byte_token_ids, prompt_text
 from loadtest.workloads import shared_prefix
-from router.replica_metrics import parse_metrics
+from router.replicas.stats import parse_metrics
 
 # Replicas with small KV caches: 400 blocks of 16 tokens (4 bytes each). 12 groups with a 1024-token
 # system prompt (~64 blocks each) need ~800 blocks: more than one replica holds, less than three.

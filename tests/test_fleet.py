@@ -84,7 +84,7 @@ def pool_of(n, **health):
     from router.config import HealthConfig, ProxyConfig, ReplicaConfig
     from router.load import LoadTable
     from router.metrics import Metrics
-    from router.pool import ReplicaPool
+    from router.replicas import ReplicaPool
     metrics = Metrics()
     configs = [ReplicaConfig(name=f"r{i}", url=f"http://127.0.0.1:{1000 + i}") for i in range(n)]
     return ReplicaPool(configs, HealthConfig(**health), ProxyConfig(), metrics,
@@ -92,11 +92,11 @@ def pool_of(n, **health):
 
 
 def test_a_fleet_within_the_control_budget_is_checked_at_the_configured_intervals():
-    assert pool_of(30).spacing() == 1.0  # 30 x 3 requests a second, within 100
+    assert pool_of(30).control.spacing() == 1.0  # 30 x 3 requests a second, within 100
 
 
 def test_a_larger_fleet_is_checked_less_often_so_the_router_sends_at_most_its_budget():
     pool = pool_of(1024)
-    rate = len(pool.replicas) * (1.2 / pool.health.interval_s + 1.0 / pool.health.metrics_interval_s)
-    assert rate / pool.spacing() == pytest.approx(100.0)  # health checks (a fifth of them with /v1/models) and scrapes
-    assert pool_of(1024, max_requests_per_s=1000).spacing() < pool.spacing()
+    rate = len(pool.replicas) * (1.2 / pool.health.config.interval_s + 1.0 / pool.health.config.metrics_interval_s)
+    assert rate / pool.control.spacing() == pytest.approx(100.0)  # health checks (a fifth of them with /v1/models) and scrapes
+    assert pool_of(1024, max_requests_per_s=1000).control.spacing() < pool.control.spacing()

@@ -188,7 +188,7 @@ def _sizes(rt) -> tuple[int, int, int]:
 
 
 def test_model_ids_a_replica_lists_are_bounded_and_forgotten_with_it(cluster):
-    from router.pool import MAX_MODELS
+    from router.replicas.models import MAX_MODELS
     sim, other = cluster.sim(), cluster.sim()
     rt = cluster.router([other, sim], "--set", "health.interval_s=0.2")
     for i in range(5):  # per-model metric series, as traffic makes them

@@ -15,7 +15,7 @@ from loadtest import vllm_cluster
 from loadtest.cluster import Proc
 from router import plan as P
 from recipes import serve_commands as recipe_commands
-from router.replica_metrics import parse_metrics
+from router.replicas.stats import parse_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

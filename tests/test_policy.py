@@ -365,7 +365,7 @@ def test_a_plug_in_scorer_by_module_and_class(tmp_path, monkeypatch):
 
 
 def test_platform_defaults():
-    from router.pool import Replica
+    from router.replicas import Replica
 
     def block_size(platform):
         return Replica(ReplicaConfig(name="r", url="http://r:1", platform=platform), None, Metrics()).block_size

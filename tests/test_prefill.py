@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from router.prefill import PrefillEstimate
+from router.replicas.prefill import PrefillEstimate
 
 
 def feed(est, samples, fixed_s=0.015, per_token_s=100e-6):

@@ -18,7 +18,8 @@ import pytest
 from loadtest import tiny_model
 from loadtest.render_corpus import FIXTURE, corpus, tokenizer_digest
 from router.prefix import key_for, prompts_of
-from router.render import ChatTemplate, Unkeyable, render_chat
+from router.chat_template import ChatTemplate
+from router.render import Unkeyable, render_chat
 from router.tokenizer import LocalTokenizer
 
 CAPTURED = json.loads(FIXTURE.read_text())

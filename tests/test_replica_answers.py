@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from router.kv_events.sources import MAX_RANKS, NoSource, from_answer
-from router.replica_metrics import MAX_BLOCK_SIZE, MAX_BLOCKS, parse_metrics
+from router.replicas.stats import MAX_BLOCK_SIZE, MAX_BLOCKS, parse_metrics
 
 CASES = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers import HTTP, sse_json
-from router.replica_metrics import parse_metrics
+from router.replicas.stats import parse_metrics
 
 FIX = Path(__file__).parent / "fixtures" / "vllm-0.32"
 

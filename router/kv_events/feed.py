@@ -34,7 +34,7 @@ from ..index.fallback import SharedIndexDown
 from ..index.precise import Applied, PreciseIndex
 from ..keys import PromptKeys
 from ..metrics import Metrics
-from ..pool import Replica, ReplicaPool
+from ..replicas import Replica, ReplicaPool
 from ..upstream import UpstreamError
 from .decode import Batch
 from .lease import Lease
@@ -102,8 +102,6 @@ class EventFeed:
         self._feeds = {r.name: ReplicaFeed(r) for r in pool}
         self._ctx: zmq.asyncio.Context | None = None
         self._background = Background()
-        self._routers = 1  # routers taking part in the leases, as last counted
-        self._leased: set[str] = set()  # replicas whose events go through a lease (for the fair share)
         events.subscribe(self._on_event)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -111,7 +109,7 @@ class EventFeed:
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         if self.lease is not None:
-            self._background.spawn(self._count_routers())
+            self._background.spawn(self.lease.count_routers())
         for f in self._feeds.values():
             if f.replica.ready:
                 self._ensure(f)
@@ -144,7 +142,8 @@ class EventFeed:
             self._background.spawn(self._restart(f))
         elif isinstance(event, ReplicaRemoved):
             del self._feeds[event.replica]
-            self._leased.discard(event.replica)
+            if self.lease is not None:
+                self.lease.leave(event.replica)
             self._background.spawn(self._stop(f, quiet=True))
 
     def _ensure(self, f: ReplicaFeed) -> None:
@@ -249,23 +248,6 @@ class EventFeed:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _count_routers(self) -> None:
-        """Every lease period: say this router takes part in the leases, and count those that do."""
-        assert self.lease is not None
-        while True:
-            try:
-                async with asyncio.timeout(self.cfg.lease_s):
-                    self._routers = max(1, await self.lease.routers())
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                pass  # Redis down: the leases say so in their own loops; keep the last count
-            await asyncio.sleep(self.cfg.lease_s)
-
-    def _fair_share(self) -> int:
-        """Leases this router should hold: the replicas whose events go through leases, over the routers."""
-        return max(1, -(-len(self._leased) // self._routers))
-
     async def _consume_shared(self, f: ReplicaFeed) -> None:
         """With a Redis index: consume while holding the replica's lease, else read what the holder applies.
 
@@ -273,14 +255,14 @@ class EventFeed:
         a lease period (so no replica waits on a miscount, e.g. a router that died and is still counted); the
         leases a router holds beyond its share are handed on at their next renewal, except one it took that way."""
         assert self.lease is not None
-        self._leased.add(f.name)
+        self.lease.take_part(f.name)
         free_since: float | None = None
         while True:
             try:
                 now = time.monotonic()
                 # free for half a lease period: the routers below their share had two chances to take it
                 overdue = free_since is not None and now - free_since >= self.cfg.lease_s / 2
-                if (self.lease.holding < self._fair_share() or overdue) and await self.lease.acquire(f.name):
+                if (self.lease.holding < self.lease.fair_share() or overdue) and await self.lease.acquire(f.name):
                     free_since = None
                     await self._hold(f, keep=overdue)
                 else:
@@ -322,10 +304,10 @@ class EventFeed:
                     return
                 if not await lease.renew(f.name):
                     raise LeaseLost()
-                if not keep and self._beyond_share(f.name):
+                if not keep and lease.beyond_share(f.name):
                     await lease.release(f.name)
                     log.info("replica %s: event lease handed on (this router holds more than its share of %d)",
-                             f.name, self._fair_share(), extra={"replica": f.name})
+                             f.name, lease.fair_share(), extra={"replica": f.name})
                     return
         except LeaseLost:
             log.warning("replica %s: event lease lost; another router consumes its events now", f.name,
@@ -337,12 +319,6 @@ class EventFeed:
             self.index.drop_sources(f.name)
             f.lease_held = False
             self.metrics.kv_event_lease.labels(f.name).set(0)
-
-    def _beyond_share(self, replica: str) -> bool:
-        """Whether this lease is one of those this router holds beyond its share (the last ones by name)."""
-        assert self.lease is not None
-        fair = self._fair_share()
-        return self.lease.holding > fair and replica not in sorted(self.lease.held)[:fair]
 
     def _subscriber(self, f: ReplicaFeed, ep: Endpoints) -> Subscriber:
         assert self._ctx is not None

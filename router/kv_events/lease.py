@@ -22,6 +22,7 @@ entry, msgpack).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import socket
@@ -84,6 +85,9 @@ class Lease:
         self._release = client.script(_RELEASE)
         self._present = client.script(_PRESENT)
         self._held: set[str] = set()
+        self.lease_s = lease_s
+        self._routers = 1  # routers taking part in the leases, as last counted
+        self._leased: set[str] = set()  # replicas whose events go through a lease (for the fair share)
 
     def _key(self, replica: str, what: str) -> str:
         return self.keys.lease(replica, what)
@@ -147,6 +151,34 @@ class Lease:
         now = int(time.time() * 1000)
         return int(await self.client.evalsha(self._present, [self.keys.lease_routers()],
                                              [now, 3 * self.ms, self.holder]))
+
+    async def count_routers(self) -> None:
+        """Every lease period: say this router takes part in the leases, and count those that do."""
+        while True:
+            try:
+                async with asyncio.timeout(self.lease_s):
+                    self._routers = max(1, await self.routers())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                pass  # Redis down: the leases say so in their own loops; keep the last count
+            await asyncio.sleep(self.lease_s)
+
+    def take_part(self, replica: str) -> None:
+        """The replica's events go through a lease (it counts toward the fair share)."""
+        self._leased.add(replica)
+
+    def leave(self, replica: str) -> None:
+        self._leased.discard(replica)
+
+    def fair_share(self) -> int:
+        """Leases this router should hold: the replicas whose events go through leases, over the routers."""
+        return max(1, -(-len(self._leased) // self._routers))
+
+    def beyond_share(self, replica: str) -> bool:
+        """Whether this lease is one of those this router holds beyond its share (the last ones by name)."""
+        fair = self.fair_share()
+        return self.holding > fair and replica not in sorted(self._held)[:fair]
 
     async def release(self, replica: str) -> None:
         """Give up one lease: another router takes it within a third of a lease period."""

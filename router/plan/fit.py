@@ -9,7 +9,8 @@ from pathlib import Path
 
 from .. import platforms
 from ..platforms import GB, GIB, Platform
-from .model import KvBytes, ModelShape, PlanError, Weights, kv_bytes, read_config, shape_of, weights
+from .model import (DTYPE_BYTES, KvBytes, ModelShape, PlanError, Weights, gb, kv_bytes, read_config, shape_of,
+                    weights)
 
 # -- the plan ---------------------------------------------------------------------------------
 
@@ -109,8 +110,8 @@ def plan(model: str | Path, target: Target) -> Plan:
             kv_mem = memory * target.gpu_memory_utilization - weights_share - reserve
         if kv_mem <= 0:
             need = (weights_share + reserve) / target.gpu_memory_utilization
-            return Option(tp, False, f"needs {_gb(need)} per device at utilization {target.gpu_memory_utilization} "
-                          f"(weights {_gb(weights_share)} + reserve {_gb(reserve)}); a device has {_gb(memory)}", pp)
+            return Option(tp, False, f"needs {gb(need)} per device at utilization {target.gpu_memory_utilization} "
+                          f"(weights {gb(weights_share)} + reserve {gb(reserve)}); a device has {gb(memory)}", pp)
         per_block = block * kvb.per_token
         blocks = int(kv_mem // per_block)
         full = blocks // max(1, math.ceil(kvb.per_sequence(target.max_model_len) / per_block))

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..platforms import GB
+
 # bytes per element by the names config.json, safetensors and vLLM use
 DTYPE_BYTES = {"float32": 4, "F32": 4, "bfloat16": 2, "BF16": 2, "float16": 2, "F16": 2, "fp8": 1, "F8_E4M3": 1,
                "F8_E5M2": 1, "int8": 1, "I8": 1, "U8": 1, "I32": 4, "I64": 8, "F64": 8, "BOOL": 1, "bf16": 2}
@@ -248,3 +250,8 @@ def kv_bytes(s: ModelShape, element_bytes: int, tp: int = 1, pp: int = 1) -> KvB
         formula += f"; / PP {pp} (each pipeline stage holds its share of the layers)"
     return KvBytes(math.ceil(s.full_layers / pp) * per_layer, math.ceil(s.sliding_layers / pp) * per_layer,
                    s.sliding_window, formula)
+
+
+def gb(x: float) -> str:
+    """A byte count for people: GB, or MB below a tenth of one."""
+    return f"{x / GB:,.1f} GB" if x >= 0.1 * GB else f"{x / 1e6:,.1f} MB"

@@ -7,15 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import platforms
-from ..platforms import GB
 from .fit import Plan
-from .model import PlanError
+from .model import PlanError, gb
 
 # -- output -----------------------------------------------------------------------------------
-
-
-def _gb(x: float) -> str:
-    return f"{x / GB:,.1f} GB" if x >= 0.1 * GB else f"{x / 1e6:,.1f} MB"
 
 
 def _count(n: float) -> str:
@@ -27,10 +22,10 @@ def table(p: Plan) -> str:
     lines = [
         f"model: {p.model} ({s.model_type}, {s.layers} layers, hidden {s.hidden}, {s.heads} heads, "
         f"{s.kv_heads} KV heads{', MLA' if s.mla else ''}{f', {s.experts} experts' if s.experts else ''})",
-        f"weights: {_gb(p.weights.bytes)} at {t.dtype} ({_count(p.weights.parameters)} parameters, from "
+        f"weights: {gb(p.weights.bytes)} at {t.dtype} ({_count(p.weights.parameters)} parameters, from "
         f"{p.weights.source})",
         f"KV bytes per token: {p.kv.per_token:,} = {p.kv.formula}",
-        f"KV for one {t.max_model_len:,}-token sequence: {_gb(p.kv.per_sequence(t.max_model_len))}",
+        f"KV for one {t.max_model_len:,}-token sequence: {gb(p.kv.per_sequence(t.max_model_len))}",
         f"platform: {p.platform.source}; block size {p.block_size}; "
         + (f"KV space {t.kv_cache_space_gib:g} GiB" if not p.platform.accelerator
            else f"gpu_memory_utilization {t.gpu_memory_utilization}") + f"; {t.nodes} node(s)",
@@ -44,7 +39,7 @@ def table(p: Plan) -> str:
         if not o.fits:
             lines.append(f"| {size} | - | - | - | - | - | - | - | {o.why} |")
             continue
-        lines.append(f"| {size} | {o.replicas_per_node or f'1 per {o.pp} nodes'} | {o.replicas} | {_gb(o.kv_bytes_per_device)} | "
+        lines.append(f"| {size} | {o.replicas_per_node or f'1 per {o.pp} nodes'} | {o.replicas} | {gb(o.kv_bytes_per_device)} | "
                      f"{o.num_gpu_blocks:,} | {p.tokens(o):,} | {o.full_sequences:,} | {o.max_num_seqs} | "
                      f"{p.tokens(o) * o.replicas:,} |")
     lines.append("")

@@ -7,7 +7,7 @@ one router is kept in ``{namespace}:replicas`` and every router adds it within
 no new requests, and is removed (with its index entries and metric series) when its last request
 ends or after ``membership.drain_timeout_s``.
 
-This module decides membership; :class:`~router.pool.ReplicaPool` owns the replicas and their
+This module decides membership; :class:`~router.replicas.pool.ReplicaPool` owns the replicas and their
 state. Replica keys (``api_key``) are never written to Redis: a replica registered with a key is
 reached with it only by the router it was registered on.
 """
@@ -23,10 +23,10 @@ from typing import Any, Literal
 
 import yaml
 
-from .background import Background
-from .config import ConfigError, ReplicaConfig, RouterConfig, replica_from
-from .store import RedisError, Store
-from .load import TableFull
+from ..background import Background
+from ..config import ConfigError, ReplicaConfig, RouterConfig, replica_from
+from ..store import RedisError, Store
+from ..load import TableFull
 from .pool import ReplicaPool
 
 log = logging.getLogger("kvroute.membership")

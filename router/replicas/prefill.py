@@ -15,9 +15,13 @@ they spent in prefill (``vllm:request_prefill_time_seconds``). Two figures come 
   step with a new request: on an accelerator prefilling a 70B model a step with two 2,048-token prompts
   takes about twice as long as a step with one (the marginal part dominates), while on a CPU replica
   with short prompts the fixed part does. Until the samples tell (all of them alike), it is ``None``.
+
+:mod:`.learning` feeds each replica's estimate from its scrapes and shares the figures among the replicas
+of one kind (platform, parallel sizes, models), which route by their average.
 """
 
 from __future__ import annotations
+
 
 MIN_REQUESTS = 4  # a sample spans at least this many requests ...
 MIN_TOKENS = 512  # ... and this many uncached prompt tokens

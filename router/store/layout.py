@@ -44,7 +44,7 @@ class Layout:
     def session(self, session: str) -> str:
         return f"{self.ns}:s:{session}"
 
-    # membership (router.membership)
+    # membership (router.replicas.membership)
     def replicas(self) -> str:
         """Replicas registered through the admin API, for every router."""
         return f"{self.ns}:replicas"

@@ -1,0 +1,202 @@
+"""The router's own requests to each replica: health checks and scrapes, on a connection of their own.
+
+Each replica has one background loop (:meth:`Control.loop`) that checks its ``/health`` (then its
+``/v1/models``) every ``health.interval_s`` and scrapes its ``/metrics`` every ``health.metrics_interval_s``,
+one after the other on one kept-alive connection apart from the requests'. On a fleet that would need more
+than ``health.max_requests_per_s`` of them, every replica is checked less often (:meth:`Control.spacing`),
+and ``/v1/models`` is read with one check in :data:`MODELS_EVERY` only. With several worker processes each
+worker checks at ``workers`` times the interval, staggered, so a replica sees the configured rate in all.
+
+An answer that carries this router's own instance id (:mod:`router.hops`) means the replica's URL reaches
+this router: such a replica is never routed to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import orjson
+
+from .. import hops
+from ..config import HealthConfig, ProxyConfig
+from ..load import LoadTable
+from ..upstream import ConnectFailed, UpstreamError, UpstreamPool, UpstreamResponse
+from .health import Health
+from .record import Replica
+
+log = logging.getLogger("kvroute.pool")
+
+HEADERS = b"user-agent: kvroute-health\r\naccept-encoding: identity\r\n"
+MODELS_EVERY = 5  # on a fleet past the control budget, /v1/models is read with one health check in this many
+MAX_BYTES = 32 << 20  # a /metrics page larger than this is not a replica's
+
+
+class TooLarge(UpstreamError):
+    """A health-check or /metrics answer larger than :data:`MAX_BYTES`."""
+
+
+class ThisRouter(UpstreamError):
+    """The replica's URL reaches this very router (its answer carries this router's instance id)."""
+
+
+async def fetch(r: Replica, path: str, timeout: float, instance: str | None) -> tuple[int, bytes]:
+    """GET ``path`` on the replica's control connection: status and body, all within ``timeout``. Raises
+    :class:`~router.upstream.UpstreamError` (:class:`ThisRouter` for an answer with this router's ``instance``
+    id) or ``TimeoutError``."""
+    assert r.control is not None
+    async with asyncio.timeout(timeout):
+        resp = await r.control.request(b"GET", path, HEADERS + r.header_lines, b"", timeout)
+        if is_this_router(resp, instance):
+            resp.release()
+            raise ThisRouter("this URL reaches this router itself")
+        try:
+            body = await resp.read(MAX_BYTES, timeout)
+            if not resp.complete:
+                raise TooLarge(f"{path} answered more than {MAX_BYTES} bytes")
+        finally:
+            resp.release()
+    return resp.status, body
+
+
+def is_this_router(resp: UpstreamResponse, instance: str | None) -> bool:
+    """The answer carries this router's own instance id (router.hops)."""
+    return instance is not None and resp.header(hops.INSTANCE.encode()) == instance.encode()
+
+
+class Control:
+    """Health checks and scrapes of the replicas of a pool (``replicas``: the pool's mapping, read only)."""
+
+    def __init__(self, replicas: Mapping[str, Replica], config: HealthConfig, proxy: ProxyConfig, load: LoadTable,
+                 health: Health, on_models: Callable[[Replica, Any], None],
+                 scrape: Callable[[Replica], Awaitable[None]], instance: str | None) -> None:
+        self.replicas = replicas
+        self.config = config
+        self.proxy = proxy
+        self.load = load
+        self.health = health
+        self.on_models = on_models  # what a replica's /v1/models answered (parsed)
+        self.scrape = scrape
+        self.instance = instance  # this router's id (router.hops): a replica answering with it is this router
+        self._checked: set[str] = set()  # replicas whose first health check is done
+        self.first_round = asyncio.Event()  # every replica checked once
+
+    def connection(self, url: str) -> UpstreamPool:
+        """A replica's control connection: kept alive between rounds for up to ``proxy.upstream_idle_s``."""
+        return UpstreamPool(url, min(self.config.timeout_s, self.proxy.connect_timeout_s), self.proxy.upstream_idle_s)
+
+    def forget(self, name: str) -> None:
+        self._checked.discard(name)
+
+    async def reaches_this_router(self, url: str) -> bool:
+        """Whether ``url`` answers as this very router (asked once, within 2 s; unreachable: no)."""
+        if self.instance is None:
+            return False
+        try:
+            probe = UpstreamPool(url.rstrip("/"), min(1.0, self.proxy.connect_timeout_s))
+        except Exception:  # not a URL it can use: the registration's own checks say why
+            return False
+        try:
+            async with asyncio.timeout(2.0):
+                resp = await probe.request(b"GET", "/health", HEADERS, b"", 2.0)
+                try:
+                    return is_this_router(resp, self.instance)
+                finally:
+                    resp.release()
+        except (UpstreamError, TimeoutError, OSError):
+            return False
+        finally:
+            probe.close()
+
+    async def check(self, r: Replica) -> None:
+        """One health check: /health, then /v1/models (on a large fleet not every time: see :meth:`_models_due`)."""
+        try:
+            status, _ = await fetch(r, "/health", self.config.timeout_s, self.instance)
+            if status != 200:
+                self.health.mark_failure(r, f"/health answered {status}")
+                return
+            r.checks += 1
+            if self._models_due(r):
+                status, body = await fetch(r, "/v1/models", self.config.timeout_s, self.instance)
+                if status != 200:
+                    self.health.mark_failure(r, f"/v1/models answered {status}")
+                    return
+                self.on_models(r, orjson.loads(body))  # at most 1,024 levels deep
+        except ConnectFailed as e:
+            self.health.mark_failure(r, f"connection failed: {e}", immediate=True)
+            return
+        except ThisRouter as e:
+            if not r.loops_back:
+                r.loops_back = True
+                log.warning("replica %s is this router itself (%s): it is never routed to; remove it", r.name,
+                            r.config.shown_url, extra={"replica": r.name})
+            self.health.mark_failure(r, str(e), immediate=True)
+            return
+        except (UpstreamError, TimeoutError, ValueError) as e:
+            self.health.mark_failure(r, f"health check failed: {e.__class__.__name__}")
+            return
+        self.health.mark_success(r)
+
+    def spacing(self) -> float:
+        """How many times the configured intervals apart each replica is checked and scraped now: 1, or more
+        where the fleet would otherwise need more than ``health.max_requests_per_s`` control requests a second.
+        A health check is two requests (/health, /v1/models) while the fleet fits in that budget; beyond it,
+        /v1/models goes with every :data:`MODELS_EVERY` th check only (see :meth:`_models_due`)."""
+        h = self.config
+        per_replica = (1.0 + 1.0 / MODELS_EVERY) / h.interval_s + 1.0 / h.metrics_interval_s
+        return max(1.0, len(self.replicas) * per_replica / h.max_requests_per_s)
+
+    def _models_due(self, r: Replica) -> bool:
+        """Whether this check of ``r`` also reads /v1/models: always on a fleet within the budget at the
+        configured intervals, and for a replica not ready; else every :data:`MODELS_EVERY` th check."""
+        h = self.config
+        full = len(self.replicas) * (2.0 / h.interval_s + 1.0 / h.metrics_interval_s)
+        return full <= h.max_requests_per_s or not r.ready or r.checks % MODELS_EVERY == 0
+
+    def _pause(self, interval: float) -> float:
+        """Seconds between one worker's checks (or scrapes) of one replica: the workers take turns."""
+        return interval * self.load.workers * self.spacing()
+
+    async def loop(self, r: Replica) -> None:
+        """Health checks and /metrics scrapes of one replica, one after the other on its control connection
+        (one kept-alive connection for both). Every worker checks at start; the next check and scrape come at a
+        random point within one pause (staggered by worker), so that a fleet checked at start is not checked in
+        one burst ever after, then every pause; each pause follows the fleet's size at the time."""
+        h = self.config
+        loop = asyncio.get_running_loop()
+        offset = lambda interval: random.uniform(0.0, self._pause(interval)) + interval * self.load.worker  # noqa: E731
+        now = loop.time()
+        next_check = next_scrape = now
+        scraped = False
+        while True:
+            if now >= next_check:
+                try:
+                    await self.check(r)
+                except Exception:  # keep checking whatever happens
+                    log.exception("health check of %s crashed", r.name)
+                if r.name not in self._checked:
+                    self._checked.add(r.name)
+                    if len(self._checked) >= len(self.replicas):
+                        self.first_round.set()
+                    next_check = now + offset(h.interval_s)
+                else:
+                    next_check = now + self._pause(h.interval_s)
+            if now >= next_scrape:
+                if r.state != "unready":
+                    try:
+                        await self.scrape(r)
+                    except Exception:
+                        log.exception("metrics scrape of %s crashed", r.name)
+                if h.metrics_interval_s == h.interval_s:
+                    # right after the check, on the connection it left open: a fleet checked less often than the
+                    # replicas keep idle connections (5 s in vLLM) opens one connection per round, not two
+                    next_scrape = next_check
+                else:
+                    next_scrape = now + (self._pause(h.metrics_interval_s) if scraped else offset(h.metrics_interval_s))
+                scraped = True
+            now = loop.time()
+            await asyncio.sleep(max(0.0, min(next_check, next_scrape) - now))
+            now = loop.time()
