@@ -22,7 +22,7 @@ through kvroute against 3 real replicas (once to warm them up, then ``measure``)
 ``cpu`` replicas as ``loadtest/profiles.py`` stores the profile and against 3 with the figures ``measure``
 just found on this machine, the three taking turns 5 times (the median run of each counts), and compares
 vLLM's prefix-cache hit rate and the median time to first token. A profile should reproduce the hit
-rate within 2 points and the median TTFT within 25% (``tests/test_calibration.py``, ``vllm`` marker).
+rate within 2 points and the median TTFT within 25% (``tests/vllm/test_calibration.py``, ``vllm`` marker).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The prefix index: which replica holds which prefix blocks, per model.
 
-Implementations of one contract (tests/test_index_contract.py runs it against each):
+Implementations of one contract (tests/index/test_index_contract.py runs it against each):
 
 - ``memory`` (default): in this process;
 - ``redis``: shared by every router instance pointed at the same Redis;

@@ -1,0 +1,102 @@
+"""A large fleet: a decision weighs the replicas that hold the prompt's prefix, the least loaded and a few at
+random, not every replica, and it places prompts as a decision among all of them does."""
+
+import collections
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from support.processes import FAST
+from loadtest.cluster import HTTP
+from loadtest.cluster import free_ports
+
+N = 40
+
+
+def fleet(cluster, n=N, *args):
+    base = free_ports(n)
+    cluster.sim("--replicas", str(n), *(args or FAST), port=base)
+    return [{"name": f"r{i}", "url": f"http://127.0.0.1:{base + i}", "block_size": 16} for i in range(n)]
+
+
+def workload(groups=8, per_group=6, seed=3):
+    rng = random.Random(seed)
+    heads = [" ".join(f"g{g}w{rng.randrange(10**6)}" for _ in range(120)) for g in range(groups)]
+    order = [g for g in range(groups) for _ in range(per_group)]
+    rng.shuffle(order)
+    return [(g, heads[g] + f" question {i} {rng.random()}") for i, g in enumerate(order)]
+
+
+def send(rt, prompt, **kw):
+    r = HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
+                  timeout=20, **kw)
+    assert r.status_code == 200, r.text
+    return r.headers["x-kvroute-replica"], int(r.headers["x-kvroute-cached-tokens"])
+
+
+def test_a_decision_on_a_large_fleet_weighs_a_few_replicas(cluster):
+    replicas = fleet(cluster)
+    rt = cluster.router([], config={"replicas": replicas, "candidates": {"scan_up_to": 8}})
+    prompt = workload()[0][1]
+    send(rt, prompt)
+    out = HTTP.post(rt.url + "/admin/explain/v1/completions",
+                    json={"model": "tiny", "prompt": prompt, "max_tokens": 2}, timeout=10).json()
+    assert isinstance(out["weighed"], int) and out["weighed"] < N
+    assert len(out["candidates"]) == out["weighed"]
+
+
+def test_a_fleet_within_scan_up_to_is_decided_among_all_its_replicas(cluster):
+    replicas = fleet(cluster, 12)
+    rt = cluster.router([], config={"replicas": replicas})  # scan_up_to defaults to 32
+    out = HTTP.post(rt.url + "/admin/explain/v1/completions",
+                    json={"model": "tiny", "prompt": "hello " * 100, "max_tokens": 2}, timeout=10).json()
+    assert out["weighed"] == "all" and len(out["candidates"]) == 12
+
+
+def test_a_few_candidates_find_every_cached_prefix_a_full_scan_finds(cluster):
+    replicas = fleet(cluster)
+    full = cluster.router([], config={"replicas": replicas, "candidates": {"scan_up_to": 1000}})
+    few = cluster.router([], config={"replicas": replicas, "candidates": {"scan_up_to": 8}})
+    cached = {"full": 0, "few": 0}
+    placed: dict[int, set[str]] = collections.defaultdict(set)
+    for g, prompt in workload():
+        cached["full"] += send(full, prompt)[1]
+        replica, tokens = send(few, prompt)
+        cached["few"] += tokens
+        placed[g].add(replica)
+    assert cached["full"] > 0
+    assert cached["few"] >= 0.99 * cached["full"], cached
+    assert all(len(r) == 1 for r in placed.values()), placed  # each group stays where its prefix is
+
+
+def test_when_the_few_candidates_are_full_another_replica_takes_the_request(cluster):
+    replicas = [dict(r, max_num_seqs=1) for r in fleet(cluster, 12, "--ttft-ms", "600", "--itl-ms", "1")]
+    rt = cluster.router([], config={"replicas": replicas, "queue": {"timeout_s": 0.2}, "candidates": {
+        "scan_up_to": 2, "holders": 1, "least_loaded": 1, "sampled": 0, "ranking_s": 10}})
+    prompt = workload()[0][1]
+    with ThreadPoolExecutor(10) as pool:
+        got = list(pool.map(lambda _: send(rt, prompt), range(10)))
+    assert len({replica for replica, _ in got}) == 10  # one each: none waited in the queue for a slot
+
+
+def pool_of(n, **health):
+    from router.config import HealthConfig, ProxyConfig, ReplicaConfig
+    from router.load import LoadTable
+    from router.metrics import Metrics
+    from router.replicas import ReplicaPool
+    metrics = Metrics()
+    configs = [ReplicaConfig(name=f"r{i}", url=f"http://127.0.0.1:{1000 + i}") for i in range(n)]
+    return ReplicaPool(configs, HealthConfig(**health), ProxyConfig(), metrics,
+                       LoadTable([c.name for c in configs], metrics))
+
+
+def test_a_fleet_within_the_control_budget_is_checked_at_the_configured_intervals():
+    assert pool_of(30).control.spacing() == 1.0  # 30 x 3 requests a second, within 100
+
+
+def test_a_larger_fleet_is_checked_less_often_so_the_router_sends_at_most_its_budget():
+    pool = pool_of(1024)
+    rate = len(pool.replicas) * (1.2 / pool.health.config.interval_s + 1.0 / pool.health.config.metrics_interval_s)
+    assert rate / pool.control.spacing() == pytest.approx(100.0)  # health checks (a fifth of them with /v1/models) and scrapes
+    assert pool_of(1024, max_requests_per_s=1000).control.spacing() < pool.control.spacing()

@@ -1,0 +1,81 @@
+"""One load picture across routers on one Redis: each router weighs the requests the others have in flight
+at once, not a scrape later, and a router that dies leaves no phantom load behind."""
+
+import threading
+import time
+
+from loadtest.cluster import HTTP
+from support.state import replicas_view
+from support.waiting import wait_until
+
+SLOW = ("--ttft-ms", "4000", "--itl-ms", "1")
+
+
+def hold(rt, n, session=None):
+    """Send ``n`` slow requests through ``rt`` without waiting for them (threads that end with the answers)."""
+    def one(i):
+        try:
+            HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": f"held {i}", "max_tokens": 1},
+                      timeout=15)
+        except Exception:
+            pass  # the router was killed under it
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def others(rt):
+    return {url: r["other_routers_inflight"] for url, r in replicas_view(rt).items()}
+
+
+def test_a_router_sees_the_requests_another_router_has_in_flight(cluster, shared_url):
+    sims = [cluster.sim(*SLOW) for _ in range(2)]
+    a = cluster.router(sims, "--index", shared_url)
+    b = cluster.router(sims, "--index", shared_url)
+    threads = hold(a, 4)
+    took = wait_until(lambda: sum(others(b).values()) == 4, timeout=3)
+    assert took < 1.0  # well under a scrape interval
+    assert sum(others(a).values()) == 0  # its own are not counted twice
+    time.sleep(1.5)  # a scrape of each replica: the engine's count of A's requests is not added to them again
+    assert sum(r["load"] for r in replicas_view(b).values()) == 4
+    for t in threads:
+        t.join()
+    wait_until(lambda: sum(others(b).values()) == 0, timeout=3)
+
+
+def test_a_router_places_requests_away_from_another_routers_load(cluster, shared_url):
+    sims = [cluster.sim(*SLOW) for _ in range(2)]
+    a = cluster.router([sims[0]], "--index", shared_url)  # A sends everything to the first
+    b = cluster.router(sims, "--index", shared_url, "--policy", "least-loaded")
+    threads = hold(a, 6)
+    wait_until(lambda: sum(others(b).values()) == 6, timeout=3)
+    placed = [HTTP.post(b.url + "/admin/explain/v1/completions",
+                        json={"model": "tiny", "prompt": "new", "max_tokens": 1}, timeout=5).json()["best"]
+              for _ in range(3)]
+    assert placed == [[sims[1].url.removeprefix("http://")]] * 3  # named host:port
+    for t in threads:
+        t.join()
+
+
+def test_without_the_shared_picture_another_routers_requests_are_not_seen_at_once(cluster, shared_url):
+    sims = [cluster.sim(*SLOW) for _ in range(2)]
+    a = cluster.router(sims, "--index", shared_url)
+    b = cluster.router(sims, "--index", shared_url, "--set", "shared_load.enabled=false")
+    threads = hold(a, 4)
+    wait_until(lambda: sum(r["inflight"] for r in replicas_view(a).values()) == 4, timeout=3)
+    time.sleep(0.3)
+    assert sum(others(b).values()) == 0
+    for t in threads:
+        t.join()
+
+
+def test_a_killed_routers_requests_leave_the_picture_within_its_ttl(cluster, shared_url):
+    sims = [cluster.sim("--ttft-ms", "10000", "--itl-ms", "1") for _ in range(2)]
+    a = cluster.router(sims, "--index", shared_url, "--set", "shared_load.ttl_s=1")
+    b = cluster.router(sims, "--index", shared_url, "--set", "shared_load.ttl_s=1")
+    hold(a, 4)
+    wait_until(lambda: sum(others(b).values()) == 4, timeout=3)
+    a.kill()
+    gone = wait_until(lambda: sum(others(b).values()) == 0, timeout=5)
+    assert gone < 2.5  # its figures expire a second after its last publication

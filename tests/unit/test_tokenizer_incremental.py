@@ -1,0 +1,89 @@
+"""Incremental encoding (``router/incremental.py``): a long text that begins with text encoded before
+encodes only what is new, and its ids always equal encoding it whole."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from support.small_tokenizer import small_tokenizer
+from loadtest import tiny_model
+from router import incremental
+from router.tokenizer import LocalTokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return LocalTokenizer(tiny_model.write_tokenizer(tmp_path_factory.mktemp("tiny")))
+
+
+def words(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(tiny_model.WORDS) for _ in range(n))
+
+
+def whole(tok: LocalTokenizer, text: str, special: bool = True) -> list[int]:
+    return tok._tok.encode(text, add_special_tokens=special).ids
+
+
+def stats(tok: LocalTokenizer) -> dict:
+    return tok.describe()["incremental"]
+
+
+def test_a_growing_conversation_encodes_only_each_new_turn(tok):
+    history = ""
+    fresh_per_turn = []
+    for turn in range(20):
+        history += f"<|user|>\nturn {turn}: " + words(400, seed=turn) + "</s>\n<|assistant|>\n"
+        before = stats(tok)["encoded_tokens"]
+        assert tok.encode(history, add_special_tokens=False) == whole(tok, history, special=False)
+        fresh_per_turn.append(stats(tok)["encoded_tokens"] - before)
+    total = len(whole(tok, history, special=False))
+    # a turn encodes what it adds (total / 20) and at most a block and a margin again (~1,300 characters)
+    assert max(fresh_per_turn[2:]) < total / 20 + 300, fresh_per_turn
+    # encoding every turn whole would encode ~10 times the last one
+    assert sum(fresh_per_turn) < 2 * total, fresh_per_turn
+
+
+def test_a_new_text_that_parts_from_a_known_one_inside_a_word_equals_the_whole_encode(tok):
+    base = words(2000, seed=1)
+    cut = incremental.BLOCK_CHARS * 5
+    while base[cut] == " ":
+        cut += 1  # the known text ends inside a word
+    known = base[:cut] + "alphabravo" + words(50, seed=2)
+    tok.encode(known, add_special_tokens=True)
+    for tail in ("", "x", "charlie delta", "🙂 ünï", " " * 40, "\n\n"):
+        text = base[:cut] + tail + words(30, seed=3)
+        assert tok.encode(text, add_special_tokens=True) == whole(tok, text)
+
+
+def test_a_first_seen_text_longer_than_a_window_is_encoded_in_windows_alike(tok):
+    text = words(incremental.WINDOW_CHARS // 2, seed=4)  # ~3 windows
+    assert len(text) > 2 * incremental.WINDOW_CHARS
+    assert tok.encode(text, add_special_tokens=True) == whole(tok, text)
+
+
+@pytest.mark.parametrize("odd", ["🙂👍🏽" * 300, "日本語" * 700, " " * 3000, "a" * 5000, "</s>" * 600, "\r\n\t" * 900])
+def test_odd_runs_across_blocks_and_windows_equal_the_whole_encode(tok, odd):
+    text = words(300, seed=5) + odd + words(300, seed=6)
+    assert tok.encode(text, add_special_tokens=True) == whole(tok, text)
+    again = text + words(100, seed=7)
+    assert tok.encode(again, add_special_tokens=True) == whole(tok, again)
+
+
+def test_a_tokenizer_whose_added_token_takes_the_spaces_beside_it_still_gets_its_own_ids(tmp_path):
+    tok = LocalTokenizer(small_tokenizer(tmp_path, sep_takes_spaces=True))
+    rng = random.Random(8)
+    base = " </s> ".join(" ".join(rng.choice(("the", "quick", "fox", "lazy", "dog")) for _ in range(30))
+                         for _ in range(60))
+    for n in range(5):
+        text = base + " </s> " * n + "quick brown fox" * n
+        assert tok.encode(text, add_special_tokens=True) == whole(tok, text)
+
+
+def test_kept_ids_stay_within_their_bound(tok, monkeypatch):
+    monkeypatch.setattr(incremental, "CACHE_TOKENS", 5000)
+    for seed in range(10, 20):
+        tok.encode(words(3000, seed=seed), add_special_tokens=True)
+    assert stats(tok)["kept_tokens"] <= 5000
