@@ -29,14 +29,14 @@ from router.index.fallback import FallbackIndex
 from router.index.memory import MemoryIndex
 from router.index.redis import RedisIndex
 from router.store import Redis
-from router.keys import PromptKeys
+from router.prompt_keys import PromptKeys
 from router.load import LoadTable
 from router.metrics import Metrics
 from router.policy import build_policy
 from router.prefix import key_for
 from router.replicas import ReplicaPool
 from router.request import RouteRequest
-from router.routing import Router
+from router.routing import Decider
 from router.sessions import LocalSessions
 
 from .cluster import redis_server, wait_redis
@@ -64,7 +64,7 @@ async def used_memory(client: Redis | str) -> float:
     return float(next(line for line in info.splitlines() if line.startswith("used_memory:")).split(":")[1])
 
 
-def make_router(n: int, backend: str) -> tuple[Router, ReplicaPool, RedisIndex | MemoryIndex]:
+def make_decider(n: int, backend: str) -> tuple[Decider, ReplicaPool, RedisIndex | MemoryIndex]:
     """The routing components of a gateway with ``n`` ready replicas (no health checks run)."""
     cfgs = [ReplicaConfig(name=f"r{i}", url=f"http://127.0.0.1:{9 + i}", models=["m"], block_size=BLOCK,
                           num_gpu_blocks=10_000_000) for i in range(n)]
@@ -78,15 +78,15 @@ def make_router(n: int, backend: str) -> tuple[Router, ReplicaPool, RedisIndex |
     cfg = IndexConfig(backend=backend, timeout_s=1.0)
     raw = MemoryIndex() if backend == "memory" else RedisIndex.from_url(backend, timeout_s=1.0)
     index = raw if backend == "memory" else FallbackIndex(raw, MemoryIndex(), cfg, metrics)
-    router = Router(pool, load, policy, admission, LocalSessions(), metrics, pool.events, index=index,
-                    keys=PromptKeys(PrefixConfig()))
-    return router, pool, raw
+    decider = Decider(pool, load, policy, admission, LocalSessions(), metrics, pool.events, index=index,
+                      keys=PromptKeys(PrefixConfig()))
+    return decider, pool, raw
 
 
 async def bench(backend: str, entries: int, decisions: int, seed: int) -> dict[str, dict[str, float]]:
-    router, pool, index = make_router(3, backend)
-    policy = router.policy
-    keys = router.keys
+    decider, pool, index = make_decider(3, backend)
+    policy = decider.policy
+    keys = decider.keys
     assert keys is not None
     replicas = list(pool)
     rng = random.Random(seed)
@@ -115,7 +115,7 @@ async def bench(backend: str, entries: int, decisions: int, seed: int) -> dict[s
             t0 = time.perf_counter()
             req = RouteRequest(model="m", request_id="b", endpoint="/v1/completions", payload=payload,
                                body_size=len(prompt))
-            await router.prepare(req)
+            await decider.prepare(req)
             policy.choose(req, pool.views())
             times.append(time.perf_counter() - t0)
         out[str(size)] = {"p50_ms": pct(times, 50) * 1e3, "p99_ms": pct(times, 99) * 1e3,
@@ -123,7 +123,7 @@ async def bench(backend: str, entries: int, decisions: int, seed: int) -> dict[s
     out["entries"] = {"count": float(filled)}
     if isinstance(index, RedisIndex):
         out["entries"]["redis_used_memory"] = await used_memory(index.client)
-    await router.close()
+    await decider.close()
     return out
 
 

@@ -31,7 +31,7 @@ import msgspec
 
 from router.index.fallback import FallbackIndex
 from router.index.memory import MemoryIndex
-from router.index.precise import PreciseIndex
+from router.index.tiered import TieredIndex
 from router.index.redis import RedisIndex
 from router.store import Redis, Store
 from router.config import IndexConfig
@@ -91,7 +91,7 @@ def _redis_cpu(info: str) -> float:
     return float(fields["used_cpu_sys"]) + float(fields["used_cpu_user"])
 
 
-async def _ingest(index: PreciseIndex, messages: list[list[bytes]], lease: Lease | None) -> tuple[float, float, int]:
+async def _ingest(index: TieredIndex, messages: list[list[bytes]], lease: Lease | None) -> tuple[float, float, int]:
     """Decode and apply every message; returns (seconds, router CPU seconds, blocks stored)."""
     stats = DecodeStats()
     stored = 0
@@ -112,7 +112,7 @@ async def _ingest(index: PreciseIndex, messages: list[list[bytes]], lease: Lease
 async def throughput(blocks: int, redis_url: str | None) -> list[dict[str, Any]]:
     messages = synthetic_payloads(blocks)
     rows = []
-    mem = PreciseIndex(MemoryIndex())
+    mem = TieredIndex(MemoryIndex())
     secs, cpu, stored = await _ingest(mem, messages, None)
     rows.append({"index": "memory", "blocks": stored, "seconds": secs, "router_cpu_s": cpu,
                  "blocks_per_s": stored / secs, "blocks_per_cpu_s": stored / cpu})
@@ -121,7 +121,7 @@ async def throughput(blocks: int, redis_url: str | None) -> list[dict[str, Any]]
         store = Store(redis_url, "bench")
         shared = RedisIndex(store, timeout_s=1.0)
         cfg = IndexConfig(backend=redis_url, timeout_s=1.0)
-        index = PreciseIndex(FallbackIndex(shared, MemoryIndex(), cfg, Metrics()))
+        index = TieredIndex(FallbackIndex(shared, MemoryIndex(), cfg, Metrics()))
         await shared.start()
         admin = Redis(redis_url)
         lease = Lease(store, 30.0)

@@ -40,17 +40,17 @@ def add_admin_routes(app: FastAPI, gw: Gateway, endpoints: dict[str, ProxyEndpoi
         _admin(request)
         return JSONResponse({
             "policy": gw.policy.name,
-            "index": gw.router.index.name if gw.router.index is not None else None,
-            "prompt_keys": gw.router.keys.describe() if gw.router.keys is not None else None,
+            "index": gw.decider.index.name if gw.decider.index is not None else None,
+            "prompt_keys": gw.decider.keys.describe() if gw.decider.keys is not None else None,
             "queue_length": gw.admission.queue_length,
-            "conversations": gw.router.conversations.describe() if gw.router.conversations is not None else None,
+            "conversations": gw.decider.conversations.describe() if gw.decider.conversations is not None else None,
             "replicas": [_describe(r) for r in gw.pool],
         })
 
     def _describe(r: Any) -> dict[str, Any]:
         out = gw.pool.describe(r)
         out.update(gw.membership.describe(r.name))
-        index = gw.router.index
+        index = gw.decider.index
         if index is not None:
             events = gw.feed.describe(r.name) if gw.feed is not None else None
             out["index"] = {"mode": "precise" if index.is_exact(r.name) else "approximate",
@@ -72,7 +72,7 @@ def add_admin_routes(app: FastAPI, gw: Gateway, endpoints: dict[str, ProxyEndpoi
             raise errors.not_found(f"/{path} is not routed; explain one of: {', '.join(endpoints)}")
         headers = request.scope["headers"]
         _, _, route = await endpoint.read(headers, request.receive, request_id_from(headers))
-        await gw.router.prepare(route)
+        await gw.decider.prepare(route)
         return JSONResponse({"model": route.model, "prompt_tokens": route.prompt_tokens,
                              "index_fallback": route.index_fallback, "session_replica": route.session_replica,
                              # on a large fleet, the few replicas its decision weighs (see router.candidates)

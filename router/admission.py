@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from . import errors
 from .config import QueueConfig
-from .events import Event, EventBus, ReplicaReady
+from .replica_events import Event, EventBus, ReplicaReady
 from .load import LoadTable
 from .metrics import Metrics
 from .policy import NoCandidate, Policy, Scored

@@ -18,7 +18,7 @@ import orjson
 from . import errors
 from .bodies import read_body
 from .errors import GatewayError
-from .failover import transcript_for
+from .stream_failover import transcript_for
 from .gateway import Gateway
 from .call import Call, client_headers
 from .request import RouteRequest

@@ -35,7 +35,7 @@ def _json_error(e: GatewayError, request_id: str | None = None) -> Response:
     return Response(e.body(), status_code=e.status, media_type="application/json", headers=headers)
 
 
-class GatewayApp:
+class AsgiApp:
     """The ASGI entry point: proxied POSTs go straight to their endpoint, the rest to FastAPI.
 
     The proxied paths carry every token of every stream; FastAPI's middleware stack would wrap
@@ -65,7 +65,7 @@ class GatewayApp:
         await self.app(scope, receive, send)
 
 
-def build_app(config: RouterConfig, share: HostShare | None = None, worker: int = 0) -> GatewayApp:
+def build_app(config: RouterConfig, share: HostShare | None = None, worker: int = 0) -> AsgiApp:
     gw = Gateway(config, share, worker)
 
     @asynccontextmanager
@@ -75,7 +75,7 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
             await gw.shared_load.start()
         if gw.shared_conversations is not None:
             await gw.shared_conversations.start()
-        await gw.router.start()
+        await gw.decider.start()
         if gw.feed is not None:
             await gw.feed.start()
         await gw.membership.start()  # replicas registered before (Redis, replicas_file) join now
@@ -89,7 +89,7 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
             await gw.membership.close()
             if gw.feed is not None:
                 await gw.feed.close()
-            await gw.router.close()
+            await gw.decider.close()
             if gw.shared_load is not None:
                 await gw.shared_load.close()
             if gw.shared_conversations is not None:
@@ -143,4 +143,4 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
 
     add_admin_routes(app, gw, endpoints)
 
-    return GatewayApp(app, endpoints, StoredResponseEndpoint(gw))
+    return AsgiApp(app, endpoints, StoredResponseEndpoint(gw))

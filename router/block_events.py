@@ -1,6 +1,6 @@
 """What a replica's KV cache reports about its blocks: stored (with their tokens), removed, all cleared, in
 numbered batches. vLLM's KV-cache event types as :mod:`router.kv_events.decode` reads them off the wire and
-the precise index (:mod:`router.index.precise`) applies them; neither side owns the vocabulary.
+the precise index (:mod:`router.index.tiered`) applies them; neither side owns the vocabulary.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from .request import RouteRequest
 
 if TYPE_CHECKING:
-    from .failover import Splice, Transcript
+    from .stream_failover import Splice, Transcript
     from .routing import Ticket
 
 # Request headers a client may pass on to a replica (credentials never: they come from config).

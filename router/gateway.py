@@ -19,13 +19,13 @@ from .candidates import Candidates
 from .config import RouterConfig
 from .conversations import Conversations
 from .errors import GatewayError
-from .events import EventBus
+from .replica_events import EventBus
 from .index import PrefixIndex
 from .index.fallback import FallbackIndex
 from .index.memory import MemoryIndex
-from .index.precise import PreciseIndex
+from .index.tiered import TieredIndex
 from .index.redis import RedisIndex
-from .keys import PromptKeys
+from .prompt_keys import PromptKeys
 from .kv_events.feed import EventFeed
 from .kv_events.lease import Lease
 from .load import HostShare, LoadTable
@@ -36,7 +36,7 @@ from .replicas import ReplicaPool
 from .errors import send_error
 from .proxy import Forwarder
 from .responses import ResponseHomes, unavailable, unknown
-from .routing import Router
+from .routing import Decider
 from .sessions import build_sessions
 from .shared_conversations import SharedConversations
 from .shared_load import SharedLoad, new_host_id
@@ -46,7 +46,7 @@ log = logging.getLogger("kvroute.api")
 
 
 class Gateway:
-    """The components of one router process: pool, load, index, policy, admission, router, forwarder."""
+    """The components of one router process: pool, load, index, policy, admission, decider, forwarder."""
 
     def __init__(self, config: RouterConfig, share: HostShare | None = None, worker: int = 0) -> None:
         self.config = config
@@ -68,14 +68,14 @@ class Gateway:
         self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.load, self.events,
                                 default_blocks=config.index.default_blocks, shared=self.shared_load,
                                 instance=self.instance)
-        index: PreciseIndex | None = None
+        index: TieredIndex | None = None
         keys: PromptKeys | None = None
         self.feed: EventFeed | None = None
         if self.policy.uses_prefix:
             keys = PromptKeys(config.prefix, self.events, self.metrics)
             base: PrefixIndex = MemoryIndex() if self.store is None else FallbackIndex(
                 RedisIndex(self.store, config.index.timeout_s), MemoryIndex(), config.index, self.metrics)
-            index = PreciseIndex(base, config.kv_events.provisional_ttl_s, config.kv_events.slow_medium_weight)
+            index = TieredIndex(base, config.kv_events.provisional_ttl_s, config.kv_events.slow_medium_weight)
             if config.kv_events.enabled:
                 lease = None
                 if self.store is not None:  # one consumer per replica for every router on this Redis
@@ -85,21 +85,22 @@ class Gateway:
                                       journal=self.shared_load is not None) if keys else None
         self.admission = Admission(self.policy, self.load, self.pool.views, self.pool.view_of, config.queue,
                                    self.metrics, self.events)
-        self.router = Router(self.pool, self.load, self.policy, self.admission,
-                             build_sessions(config.index, config.sessions, self.metrics, share, self.load, self.store),
-                             self.metrics, self.events,
-                             index=index, keys=keys,
-                             conversations=conversations,
-                             candidates=Candidates(self.pool, config.candidates, index) if index else None,
-                             responses=ResponseHomes(build_sessions(config.index, config.sessions, self.metrics, share,
-                                                                    self.load, self.store)))
+        self.decider = Decider(self.pool, self.load, self.policy, self.admission,
+                               build_sessions(config.index, config.sessions, self.metrics, share, self.load,
+                                              self.store),
+                               self.metrics, self.events,
+                               index=index, keys=keys,
+                               conversations=conversations,
+                               candidates=Candidates(self.pool, config.candidates, index) if index else None,
+                               responses=ResponseHomes(build_sessions(config.index, config.sessions, self.metrics,
+                                                                      share, self.load, self.store)))
         # the other routers hear what this one answered and continued (router.shared_conversations)
         self.shared_conversations: SharedConversations | None = None
         if conversations is not None and self.shared_load is not None:
             assert self.store is not None
             self.shared_conversations = SharedConversations(self.store, conversations, self.load,
                                                             config.shared_load, self.shared_load.id)
-        self.forwarder = Forwarder(self.router, self.pool, config.proxy, self.metrics, config.client.send_timeout_s)
+        self.forwarder = Forwarder(self.decider, self.pool, config.proxy, self.metrics, config.client.send_timeout_s)
         self.membership = Membership(config, self.pool, self.store)
         self.auth = Auth(config.auth)
         self.started = time.time()
@@ -135,7 +136,7 @@ class Gateway:
 
     async def response_home(self, response_id: str) -> str:
         """The ready replica holding stored response ``response_id``; raises a 404 that says why there is none."""
-        home = await self.router.responses.home(response_id) if self.router.responses is not None else None
+        home = await self.decider.responses.home(response_id) if self.decider.responses is not None else None
         if home is None:
             raise unknown(response_id)
         replica = self.pool.get(home)

@@ -234,7 +234,7 @@ class LoadTable:
             return c[self._own[name]]
         return sum(c[j] for j in self._rows[name])
 
-    def figures(self, name: str) -> tuple[bool, int, int]:
+    def load_of(self, name: str) -> tuple[bool, int, int]:
         """(drained, in-flight requests, pending prefill tokens) of ``name``, over this host's workers."""
         c = self._cells
         drained = c[self._drained[name]] != 0
@@ -263,5 +263,5 @@ class LoadTable:
         return max(max(c[j + _PEAK] for j in self._rows[name]), self.inflight(name))
 
     def describe(self, name: str) -> dict[str, Any]:
-        drained, inflight, pending = self.figures(name)
+        drained, inflight, pending = self.load_of(name)
         return {"drained": drained, "inflight": inflight, "pending_prefill_tokens": pending}

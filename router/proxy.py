@@ -2,14 +2,14 @@
 
 The router decides where each attempt goes and hands out a ticket; this module sends, relays,
 tells the ticket how the attempt went (first byte, failure kind, end), and logs. What a failure
-kind means (retry or not, the client's status) is in :data:`router.failures.KINDS`.
+kind means (retry or not, the client's status) is in :data:`router.failure_kinds.KINDS`.
 
 Attempts: a connection error, a timeout before the response started, or a 5xx/429 answer is
 tried again on another replica (never the same one twice, at most ``proxy.max_attempts``
 replicas, short jittered backoff). A 4xx is the client's problem: it is passed through and
 never retried. Once the first byte went to the client the answer is committed: a stream that
 breaks or stays silent longer than ``proxy.stream_idle_timeout_s`` goes on on another replica
-when the request qualifies (:mod:`router.failover`), else it is ended with an SSE error event.
+when the request qualifies (:mod:`router.stream_failover`), else it is ended with an SSE error event.
 When the client disconnects, the upstream request is closed at once, which makes vLLM abort it
 and free its KV blocks.
 """
@@ -26,11 +26,11 @@ from typing import Any
 from .call import HOP_BY_HOP, Call, ClientStalled, WriteWatch, response_headers
 from .config import ProxyConfig
 from .errors import GatewayError, send_error, sse_error
-from .failover import Splice, SpliceError, continuation
-from .failures import KINDS, FailureKind
+from .stream_failover import Splice, SpliceError, continuation
+from .failure_kinds import KINDS, FailureKind
 from .metrics import Metrics
 from .replicas import ReplicaPool
-from .routing import Router, Ticket
+from .routing import Decider, Ticket
 from .upstream import ReadTimeout, UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvroute.proxy")
@@ -56,9 +56,9 @@ class _Failure:
 
 
 class Forwarder:
-    def __init__(self, router: Router, pool: ReplicaPool, cfg: ProxyConfig, metrics: Metrics,
+    def __init__(self, decider: Decider, pool: ReplicaPool, cfg: ProxyConfig, metrics: Metrics,
                  send_timeout_s: float = 60.0) -> None:
-        self.router = router
+        self.decider = decider
         self.pool = pool
         self.cfg = cfg
         self.metrics = metrics
@@ -142,7 +142,7 @@ class Forwarder:
         failure: _Failure | None = None
         while True:
             try:
-                ticket = await self.router.route(call.route)
+                ticket = await self.decider.route(call.route)
             except GatewayError:
                 if call.splice is not None:
                     assert failure is not None

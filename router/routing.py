@@ -1,6 +1,6 @@
 """The router decides; it does not send.
 
-:meth:`Router.route` takes a request and returns a :class:`Ticket` naming the replica, with the
+:meth:`Decider.route` takes a request and returns a :class:`Ticket` naming the replica, with the
 predicted cached tokens and the reason for the choice. Before the first attempt it keys the
 prompt, looks it up in the prefix index and finds the session's last replica; then the policy
 chooses among immutable replica views and admission takes a slot (or queues). The proxy sends the
@@ -8,7 +8,7 @@ request and tells the ticket how it went:
 
 - ``first_byte(status)``: the replica answered; its pending prefill is done, and a 2xx answer
   makes the request's session remember the replica;
-- ``failed(kind)``: the attempt failed before the answer (see :data:`router.failures.KINDS`): the
+- ``failed(kind)``: the attempt failed before the answer (see :data:`router.failure_kinds.KINDS`): the
   slot goes back, the index record made for it is withdrawn, the replica is not tried again for
   this request, and a connection refused takes it out of rotation;
 - ``finish(status)``: the answer ended: the slot goes back, the decision is counted, and after a 2xx
@@ -30,10 +30,10 @@ from .background import Background
 from .candidates import Candidates
 from .conversations import Conversations
 from .errors import GatewayError
-from .events import Event, EventBus, ReplicaRemoved, ReplicaRestarted
-from .failures import KINDS
+from .replica_events import Event, EventBus, ReplicaRemoved, ReplicaRestarted
+from .failure_kinds import KINDS
 from .index import PrefixIndex, Receipt
-from .keys import PromptKeys
+from .prompt_keys import PromptKeys
 from .load import LoadTable
 from .metrics import Metrics
 from .policy import NoCandidate, Policy
@@ -56,12 +56,12 @@ def cached_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> i
 class Ticket:
     """One attempt's routing: where it goes, and what routing must hear back about it."""
 
-    __slots__ = ("_router", "req", "replica", "name", "cached_tokens", "reason", "learns_tokens", "_pending",
-                 "_receipts", "tails", "_open")
+    __slots__ = ("_decider", "req", "replica", "name", "cached_tokens", "reason", "learns_tokens", "_pending",
+                 "_receipts", "prompt_ends", "_open")
 
-    def __init__(self, router: "Router", req: RouteRequest, replica: Replica, cached: int, reason: str | None,
-                 pending: int, receipts: list[Receipt], tails: list[int]) -> None:
-        self._router = router
+    def __init__(self, decider: "Decider", req: RouteRequest, replica: Replica, cached: int, reason: str | None,
+                 pending: int, receipts: list[Receipt], prompt_ends: list[int]) -> None:
+        self._decider = decider
         self.req = req
         self.replica = replica  # for sending (its upstream connections); routing state lives elsewhere
         self.name = replica.name
@@ -71,7 +71,7 @@ class Ticket:
         self.learns_tokens = req.key is not None and req.key.in_bytes
         self._pending = pending
         self._receipts = receipts
-        self.tails = tails  # the last block of each prompt: where its conversation waits once answered
+        self.prompt_ends = prompt_ends  # the last block of each prompt: where its conversation waits once answered
         self._open = True
 
     def first_byte(self, status: int) -> None:
@@ -80,16 +80,16 @@ class Ticket:
         if 200 <= status < 300:
             # now, not at the end: the session's next turn may come through another router mid-stream
             if self.req.session_id is not None:
-                self._router.sessions.remember(self.req.session_id, self.name)
-            if self.req.response_id is not None and self._router.responses is not None:
-                self._router.responses.remember(self.req.response_id, self.name)
+                self._decider.sessions.remember(self.req.session_id, self.name)
+            if self.req.response_id is not None and self._decider.responses is not None:
+                self._decider.responses.remember(self.req.response_id, self.name)
 
     def failed(self, kind: str) -> None:
         """The attempt failed before an answer reached the client."""
         if self._open:
             self._open = False
             self._prefilled()
-            self._router._failed(self, kind)
+            self._decider._failed(self, kind)
 
     def finish(self, status: int, prompt_tokens: int | None = None, broken: str | None = None) -> None:
         """The answer ended (completed, broken mid-stream, or the client left); ``prompt_tokens`` is the
@@ -98,17 +98,20 @@ class Ticket:
         if self._open:
             self._open = False
             self._prefilled()
-            self._router._finished(self, status, prompt_tokens)
+            self._decider._finished(self, status, prompt_tokens)
             if broken is not None or (0 < status < 500 and status != 499):  # a client leaving says nothing
-                self._router._judge(self, broken)
+                self._decider._judge(self, broken)
 
     def _prefilled(self) -> None:
         if self._pending:
-            self._router.load.add_pending(self.name, -self._pending)
+            self._decider.load.add_pending(self.name, -self._pending)
             self._pending = 0
 
 
-class Router:
+class Decider:
+    """Where each request goes: keys its prompt, looks up the index and the session, runs the policy, takes a
+    slot, and hands out a :class:`Ticket`; hears back from the ticket how the request went."""
+
     def __init__(self, pool: ReplicaPool, load: LoadTable, policy: Policy, admission: Admission,
                  sessions: Sessions, metrics: Metrics, events: EventBus,
                  index: PrefixIndex | None = None, keys: PromptKeys | None = None,
@@ -280,8 +283,8 @@ class Router:
     def _finished(self, ticket: Ticket, status: int, prompt_tokens: int | None) -> None:
         req = ticket.req
         self.admission.release(ticket.name)
-        if ticket.tails and self.conversations is not None and 200 <= status < 300:
-            self.conversations.answered(ticket.name, ticket.tails)
+        if ticket.prompt_ends and self.conversations is not None and 200 <= status < 300:
+            self.conversations.answered(ticket.name, ticket.prompt_ends)
         if prompt_tokens and self.keys is not None and req.key is not None and req.model is not None:
             self.keys.observe(req.model, req.key, prompt_tokens)
         if ticket.reason is not None:

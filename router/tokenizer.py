@@ -29,7 +29,7 @@ from .render import SPECIAL_TOKENS, Unkeyable, render_chat
 log = logging.getLogger("kvroute.tokenizer")
 
 # The tokenizer's own thread pool would encode at the process's priority beside the event loop: texts are
-# encoded on the calling thread (router.keys runs long ones on threads of lower priority), unless set otherwise.
+# encoded on the calling thread (router.prompt_keys runs long ones on threads of lower priority), unless set otherwise.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 _SEGMENT_MIN_CHARS = 256  # shorter text between added tokens is encoded each time (it is cheap)

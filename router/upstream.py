@@ -26,7 +26,7 @@ _LOW_WATER = 64 * 1024
 
 
 class UpstreamError(Exception):
-    """Base of every failure talking to a replica. ``kind`` names its row in :data:`router.failures.KINDS`."""
+    """Base of every failure talking to a replica. ``kind`` names its row in :data:`router.failure_kinds.KINDS`."""
 
     kind = "protocol"
 

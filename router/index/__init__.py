@@ -16,7 +16,7 @@ answered, :meth:`PrefixIndex.withdraw` takes back the blocks that record added (
 carrying its stamp), so a replica that never served the prompt does not attract its prefix.
 
 Replicas that publish KV-cache events are held exactly instead (the ``exact`` tier, fed by
-:mod:`router.index.precise`): per block a medium mask (``GPU``, ``SLOW`` for an offloaded copy,
+:mod:`router.index.tiered`): per block a medium mask (``GPU``, ``SLOW`` for an offloaded copy,
 both) set and cleared by the replica's own events, never trimmed by the index; and, for the
 moments before an event arrives, provisional entries that a routing decision adds and that
 expire at a wall-clock time unless an event confirms them first. The same probe reads both

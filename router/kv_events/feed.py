@@ -3,7 +3,7 @@
 For each ready replica the feed finds its event sources (:mod:`router.kv_events.sources`), waits
 until the replica's models have their tokenizers looked for (events carry token ids: only a model
 keyed by tokens here can be matched to requests), and runs one :class:`Subscriber` per source
-whose batches go to :meth:`PreciseIndex.apply_batch`. Once the first catch-up is done the replica is
+whose batches go to :meth:`TieredIndex.apply_batch`. Once the first catch-up is done the replica is
 read from the index's exact tier ("precise"); a replica without events, or whose model is keyed in
 byte mode, stays "approximate", and the log says why and what to set.
 
@@ -29,10 +29,10 @@ import zmq.asyncio
 
 from ..background import Background
 from ..config import KvEventsConfig
-from ..events import Event, EventBus, ReplicaAdded, ReplicaReady, ReplicaRemoved, ReplicaRestarted
+from ..replica_events import Event, EventBus, ReplicaAdded, ReplicaReady, ReplicaRemoved, ReplicaRestarted
 from ..index.fallback import SharedIndexDown
-from ..index.precise import Applied, PreciseIndex
-from ..keys import PromptKeys
+from ..index.tiered import Applied, TieredIndex
+from ..prompt_keys import PromptKeys
 from ..metrics import Metrics
 from ..replicas import Replica, ReplicaPool
 from ..upstream import UpstreamError
@@ -91,7 +91,7 @@ class ReplicaFeed:
 
 
 class EventFeed:
-    def __init__(self, pool: ReplicaPool, index: PreciseIndex, keys: PromptKeys, cfg: KvEventsConfig,
+    def __init__(self, pool: ReplicaPool, index: TieredIndex, keys: PromptKeys, cfg: KvEventsConfig,
                  metrics: Metrics, events: EventBus, lease: Lease | None = None) -> None:
         self.pool = pool
         self.index = index

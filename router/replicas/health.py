@@ -10,7 +10,7 @@
   and answers none for ``health.stall_s`` while its engine makes no progress (a stall).
 
 Every change rebuilds the replica's view, sets ``kvroute_replica_ready`` and publishes
-:class:`~router.events.ReplicaReady` or :class:`~router.events.ReplicaUnready`.
+:class:`~router.replica_events.ReplicaReady` or :class:`~router.replica_events.ReplicaUnready`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import logging
 import time
 
 from ..config import HealthConfig
-from ..events import EventBus, ReplicaReady, ReplicaUnready
+from ..replica_events import EventBus, ReplicaReady, ReplicaUnready
 from ..metrics import Metrics
 from ..upstream import Stalled
 from .record import Replica

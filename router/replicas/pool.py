@@ -2,7 +2,7 @@
 
 The pool holds the replicas (:class:`~.record.Replica`) and puts together the parts that keep each one's
 record: the checks and scrapes on each replica's control connection (:mod:`.control`, :mod:`.scrape`), the
-verdicts on its state (:mod:`.health`), its prefill figures (:mod:`.prefill`) and what it serves
+verdicts on its state (:mod:`.health`), its prefill figures (:mod:`.prefill`, :mod:`.learning`) and what it serves
 (:mod:`.models`). Who joins and leaves is decided by :mod:`.membership`; the pool carries it out.
 
 Routing reads :meth:`ReplicaPool.views`: each replica's view completed with this router's load (and the other
@@ -16,7 +16,7 @@ import logging
 from typing import Any, Sequence
 
 from ..config import HealthConfig, ProxyConfig, ReplicaConfig
-from ..events import EventBus, ReplicaAdded, ReplicaModels, ReplicaReady, ReplicaRemoved
+from ..replica_events import EventBus, ReplicaAdded, ReplicaModels, ReplicaReady, ReplicaRemoved
 from ..load import LoadTable
 from ..memory import FreedMemory
 from ..metrics import Metrics
@@ -146,15 +146,15 @@ class ReplicaPool:
     def views(self, names: Sequence[str] | None = None) -> list[ReplicaView]:
         """Every replica (or those of ``names`` still in the pool) as routing sees it now: its state with this
         host's load (a fresh, immutable list)."""
-        figures = self.load.figures
+        load_of = self.load.load_of
         replicas = self.replicas.values() if names is None else [
             r for r in map(self.replicas.get, names) if r is not None]
         if self.shared is None:
-            return [with_load(r.view, *figures(r.name)) for r in replicas]
+            return [with_load(r.view, *load_of(r.name)) for r in replicas]
         others = self.shared.others
         out = []
         for r in replicas:
-            v = with_load(r.view, *figures(r.name))
+            v = with_load(r.view, *load_of(r.name))
             o = others(r.name)
             out.append(v if o == (0, 0) else with_others(v, *o))
         return out

@@ -2,7 +2,7 @@
 prefill speed and whether it still makes progress.
 
 A change of the replica's process start time (or a counter going backwards) means it restarted with an
-empty KV cache: :class:`~router.events.ReplicaRestarted` is published. The engine's running and waiting
+empty KV cache: :class:`~router.replica_events.ReplicaRestarted` is published. The engine's running and waiting
 requests less this router's own (and, with a shared load picture, the other routers') are load from
 elsewhere: ``external_load``, which routing counts like its own.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ..events import EventBus, ReplicaRestarted
+from ..replica_events import EventBus, ReplicaRestarted
 from ..load import LoadTable
 from ..metrics import Metrics
 from ..shared_load import SharedLoad

@@ -7,7 +7,7 @@ import json
 import orjson
 from hypothesis import given, settings, strategies as st
 
-from router.failover import Splice, Transcript, continuation, transcript_for, why_not
+from router.stream_failover import Splice, Transcript, continuation, transcript_for, why_not
 from support import paths
 
 FIXTURES = paths.FIXTURES / "vllm-0.32"

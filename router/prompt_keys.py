@@ -31,7 +31,7 @@ from typing import Any
 from .background import Background
 from .config import ConfigError, PrefixConfig
 from . import errors
-from .events import Event, EventBus, ReplicaModels, ReplicaRemoved
+from .replica_events import Event, EventBus, ReplicaModels, ReplicaRemoved
 from .metrics import Metrics
 from .prefix import PromptKey, key_for
 from .tokenizer import LocalTokenizer, TokenizerError, find_local

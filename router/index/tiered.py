@@ -1,6 +1,6 @@
 """The precise index: what each replica's KV-cache events say it holds, with provisional entries between.
 
-A :class:`PreciseIndex` is the :class:`~router.index.PrefixIndex` the router uses. Replicas whose
+A :class:`TieredIndex` is the :class:`~router.index.PrefixIndex` the router uses. Replicas whose
 events are being applied (the event feed, :mod:`router.kv_events.feed`, says which) are read from
 the backend's exact tier; the others keep the recorded tier (the routing decisions, trimmed
 least recently used first), so a mixed fleet works replica by replica.
@@ -154,7 +154,7 @@ class SourceMap:
             self.known.popitem(last=False)
 
 
-class PreciseIndex:
+class TieredIndex:
     def __init__(self, base: PrefixIndex, provisional_ttl_s: float = 2.0, slow_weight: float = 0.5) -> None:
         self.base = base
         self.name = base.name
