@@ -80,9 +80,12 @@ class PrefillLearning:
             return
         self._unshared.discard(k)
         self._shared_at[k] = now
-        if len(self._shared_at) > 4 * len(self.replicas) + 64:  # kinds of replicas long gone
-            self._shared_at = {k: now}
-            self._unshared &= {k}
+        if len(self._shared_at) > len(self.replicas):  # some kind no replica is of any more (its models changed)
+            # a kind holds its replicas' model ids: one kept after they changed would keep the ids it names alive
+            # (a replica whose LoRA adapters churn makes a new kind at every health check)
+            live = {x.kind for x in self.replicas.values()}
+            self._shared_at = {kind: at for kind, at in self._shared_at.items() if kind in live}
+            self._unshared &= live
         same = [x for x in self.replicas.values() if x.kind == k]
         rates = [x.prefill.rate for x in same if x.prefill.rate is not None]
         steps = [x.prefill.marginal_s for x in same if x.prefill.marginal_s is not None]
