@@ -13,8 +13,9 @@ output tokens of one and of four requests decoding at once on each replica give 
 time and its cost per sequence; a shared-prefix workload of its own (8 groups x 6 prompts, 768-token
 system prompts) gives what a step with prefill costs beyond its tokens (``prefill_base_s``) and the time
 a client waits beyond the engine's queue and prefill. The same workload against simulated replicas with
-those step costs and no API-server time tells how much of that wait the router and the simulator's own
-HTTP path already account for; the rest is the profile's ``frontend_s``. It prints the profile's figures
+those step costs and no API-server time, taking turns with the real ones three times, tells how much of
+that wait the router and the simulator's own HTTP path already account for; the rest (the median of the
+paired differences) is the profile's ``frontend_s``. It prints the profile's figures
 for ``loadtest/profiles.py``.
 
 ``check`` runs another shared-prefix workload (12 groups x 6 prompts, 1024-token system prompts, seed 5)
@@ -188,13 +189,19 @@ def step_flags(m: dict[str, float], frontend_s: float) -> tuple[str, ...]:
             "--step-prefill-base-ms", f"{m['prefill_base_s'] * 1e3:.4g}", "--frontend-ms", f"{frontend_s * 1e3:.4g}")
 
 
-def fit_frontend(m: dict[str, float], model: Path, out: Path) -> float:
+def fit_frontend(m: dict[str, float], real: list[str], model: Path, out: Path, runs: int = 3) -> float:
     """The simulator's ``frontend_s`` for measured step costs: the time a client waits beyond the engine's queue and
-    prefill on real replicas, less what it waits beyond them on simulated ones with no frontend time (the router, the
-    simulator's own HTTP path), on the same calibration workload."""
-    with simulated(model, out, *step_flags(m, 0.0)) as urls:
-        sim = calibration_run(urls, model, out)
-    return max(0.0, m["beyond_engine_s"] - sim["beyond_engine_s"])
+    prefill on the ``real`` replicas, less what it waits beyond them on simulated ones with no frontend time (the
+    router, the simulator's own HTTP path), on the same calibration workload. The two take turns ``runs`` times and
+    the median of the paired differences counts: the machine's speed moves from minute to minute, and a
+    difference of two runs made minutes apart once put 20 ms too much into the profile."""
+    differences = []
+    with simulated(model, out, *step_flags(m, 0.0)) as sim:
+        for _ in range(runs):
+            on_real = calibration_run(real, model, out, runs=1)
+            on_sim = calibration_run(sim, model, out, runs=1)
+            differences.append(on_real["beyond_engine_s"] - on_sim["beyond_engine_s"])
+    return max(0.0, statistics.median(differences))
 
 
 def profile_text(m: dict[str, float]) -> str:
@@ -244,7 +251,7 @@ def check(out: Path, runs: int = 5) -> tuple[dict[str, dict[str, float]], dict[s
         # once to warm the replicas up (a new vLLM CPU replica compiles on its first requests), then measured
         asyncio.run(run_policy("warm", ["--policy", "cache-aware"], 1, urls, convs, 4, 4, out))
         measured = measure(urls, model, out)
-        measured["frontend_s"] = fit_frontend(measured, model, out)
+        measured["frontend_s"] = fit_frontend(measured, urls, model, out)
         # The real replicas wait idle while the simulated ones run and the runs take turns: this machine's speed
         # moves from one minute to the next (a check once found real vLLM's median 40% above what the measurement
         # made a minute before predicted), and taking turns lets that weigh on both sides alike.
@@ -275,11 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         model = vllm_cluster.model_dir(home)
         procs = vllm_cluster.start_for_benchmarks(home, args.replicas, BLOCKS, out)
         try:
-            m = measure([p.url for p in procs], model, out)
+            urls = [p.url for p in procs]
+            m = measure(urls, model, out)
+            m["frontend_s"] = fit_frontend(m, urls, model, out)
         finally:
             for proc in procs:
                 proc.stop(timeout=15)
-        m["frontend_s"] = fit_frontend(m, model, out)
         for k, v in m.items():
             print(f"{k}: {v * 1e3:.3f} ms" if not k.endswith("per_token") else f"{k}: {v * 1e6:.2f} us")
         print("as a profile:", profile_text(m))

@@ -19,6 +19,7 @@ def test_the_cpu_profile_reproduces_real_vllms_prefix_cache_hit_rate_on_the_same
     assert abs(real["hit_rate"] - sim["hit_rate"]) <= 0.02, compared
 
 
-def test_the_cpu_profile_measured_on_this_machine_reproduces_real_vllms_median_time_to_first_token(compared):
+def test_the_cpu_profile_measured_on_this_machine_reproduces_real_vllms_median_time_to_first_token(compared, figure):
     real, sim = compared["real vLLM"], compared["cpu profile measured in this run"]
+    figure({name: {k: round(v, 3) for k, v in r.items()} for name, r in compared.items()})
     assert 0.75 <= sim["ttft_p50_ms"] / real["ttft_p50_ms"] <= 1.25, compared

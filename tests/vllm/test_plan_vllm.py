@@ -10,13 +10,12 @@ from typing import Iterator
 
 import pytest
 
-from loadtest.cluster import HTTP
 from loadtest import vllm_cluster
-from loadtest.cluster import Proc
+from loadtest.cluster import HTTP, Proc
 from router import plan as P
-from support.recipes import serve_commands as recipe_commands
 from router.replicas.stats import parse_metrics
 from support.paths import FIXTURES
+from support.recipes import serve_commands as recipe_commands
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -27,7 +26,6 @@ PARSE = """
 import json, sys
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
-from support.paths import FIXTURES
 parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
 parser.add_argument("model_tag")
 for argv in json.load(sys.stdin):
