@@ -32,14 +32,13 @@ import asyncio
 import json
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from .bench_overhead import cpu_seconds, pct, tree_cpu_seconds
+from .bench_overhead import pct, tree_cpu_seconds
 from .cluster import HTTP, Proc, RedisCluster, free_port, free_ports, redis_server, simulator, wait_redis
 from .h1client import H1Connection
 from .load import VOCABULARIES, words

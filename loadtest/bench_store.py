@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from router.index.redis import _LOOKUP, RedisIndex
-from router.store import Redis, Store
+from router.store import Store
 
 from .cluster import RedisCluster, redis_server, wait_redis
 
