@@ -3,7 +3,9 @@
     python -m loadtest.bench_decision [--entries 1000000] [--decisions 300]
 
 Fills the prefix index with about ``--entries`` (block, replica) entries over 3 replicas, then
-times complete cache-aware decisions, in process, for prompts of 1k, 8k and 32k tokens (4 bytes
+times complete cache-aware decisions, in process, through the components a router process assembles
+(:class:`router.gateway.Gateway`: the tiered index over the in-process or the Redis one, behind its
+fallback), for prompts of 1k, 8k and 32k tokens (4 bytes
 per token, KV blocks of 16 tokens), half of them sharing an indexed prefix, on both backends: the
 in-process index and Redis on loopback (a temporary redis-server). Also reports Redis memory per
 (block, replica) entry (``used_memory`` difference / entries), and the prompt key of chat requests
@@ -23,21 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from router.admission import Admission
-from router.config import HealthConfig, IndexConfig, PrefixConfig, ProxyConfig, QueueConfig, ReplicaConfig
-from router.index.fallback import FallbackIndex
-from router.index.memory import MemoryIndex
+from router.config import RouterConfig
+from router.gateway import Gateway
+from router.index import PrefixIndex
 from router.index.redis import RedisIndex
-from router.store import Redis
-from router.prompt_keys import PromptKeys
-from router.load import LoadTable
-from router.metrics import Metrics
-from router.policy import build_policy
 from router.prefix import key_for
-from router.replicas import ReplicaPool
 from router.request import RouteRequest
-from router.routing import Decider
-from router.sessions import LocalSessions
+from router.store import Redis
 
 from .cluster import redis_server, wait_redis
 from .tiny_model import write_tokenizer
@@ -64,33 +58,29 @@ async def used_memory(client: Redis | str) -> float:
     return float(next(line for line in info.splitlines() if line.startswith("used_memory:")).split(":")[1])
 
 
-def make_decider(n: int, backend: str) -> tuple[Decider, ReplicaPool, RedisIndex | MemoryIndex]:
-    """The routing components of a gateway with ``n`` ready replicas (no health checks run)."""
-    cfgs = [ReplicaConfig(name=f"r{i}", url=f"http://127.0.0.1:{9 + i}", models=["m"], block_size=BLOCK,
-                          num_gpu_blocks=10_000_000) for i in range(n)]
-    metrics = Metrics()
-    load = LoadTable([c.name for c in cfgs], metrics)
-    pool = ReplicaPool(cfgs, HealthConfig(), ProxyConfig(), metrics, load)
-    for r in pool:
-        pool.health.mark_success(r)
-    policy = build_policy("cache-aware")
-    admission = Admission(policy, load, pool.views, pool.view_of, QueueConfig(), metrics, pool.events)
-    cfg = IndexConfig(backend=backend, timeout_s=1.0)
-    raw = MemoryIndex() if backend == "memory" else RedisIndex.from_url(backend, timeout_s=1.0)
-    index = raw if backend == "memory" else FallbackIndex(raw, MemoryIndex(), cfg, metrics)
-    decider = Decider(pool, load, policy, admission, LocalSessions(), metrics, pool.events, index=index,
-                      keys=PromptKeys(PrefixConfig()))
-    return decider, pool, raw
+def make_gateway(n: int, backend: str) -> Gateway:
+    """A router process's components, assembled as ``kvroute serve`` assembles them (:class:`router.gateway.Gateway`),
+    with ``n`` replicas marked ready (no health check runs) and no KV events (none is published here)."""
+    config = RouterConfig.model_validate({
+        "replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{9 + i}", "models": ["m"], "block_size": BLOCK,
+                      "num_gpu_blocks": 10_000_000} for i in range(n)],
+        "index": {"backend": backend, "timeout_s": 1.0}, "kv_events": {"enabled": False}})
+    gw = Gateway(config)
+    for r in gw.pool:
+        gw.pool.health.mark_success(r)
+    return gw
 
 
 async def bench(backend: str, entries: int, decisions: int, seed: int) -> dict[str, dict[str, float]]:
-    decider, pool, index = make_decider(3, backend)
-    policy = decider.policy
-    keys = decider.keys
-    assert keys is not None
+    gw = make_gateway(3, backend)
+    decider, pool, policy, keys = gw.decider, gw.pool, gw.policy, gw.decider.keys
+    assert keys is not None and decider.index is not None
     replicas = list(pool)
     rng = random.Random(seed)
-    await index.start()
+    await decider.start()
+    # filled where the decisions read: the gateway's own index in process, the shared store's keys with Redis
+    # (the gateway records there in the background; this writes them at once)
+    index: PrefixIndex = decider.index if gw.store is None else RedisIndex(gw.store, 1.0)
     # fill: 32k-token prompts (2048 blocks each), spread over the replicas
     prefixes = []
     filled = 0
@@ -121,9 +111,11 @@ async def bench(backend: str, entries: int, decisions: int, seed: int) -> dict[s
         out[str(size)] = {"p50_ms": pct(times, 50) * 1e3, "p99_ms": pct(times, 99) * 1e3,
                           "mean_ms": statistics.mean(times) * 1e3}
     out["entries"] = {"count": float(filled)}
-    if isinstance(index, RedisIndex):
-        out["entries"]["redis_used_memory"] = await used_memory(index.client)
+    if gw.store is not None:
+        out["entries"]["redis_used_memory"] = await used_memory(gw.store.client)
     await decider.close()
+    if gw.store is not None:
+        await gw.store.close()
     return out
 
 
