@@ -1,7 +1,7 @@
-"""The docker-compose stack agrees with itself and with the code.
+"""The docker-compose stack agrees with itself and with the code, checked without starting it.
 
-No Docker engine runs where these tests run, so the stack is not started here; what can drift
-(commands, flags, service names, ports, metric names) is checked against the real parsers.
+``tests/compose/`` (marker ``compose``) builds and runs the stack; these check in a second what can drift
+(commands, flags, service names, ports, metric names, health checks) against the real parsers.
 """
 
 import json
@@ -72,3 +72,23 @@ def test_dockerfile_copies_what_exists():
         if line.startswith("COPY "):
             for src in line.split()[1:-1]:
                 assert (DEPLOY.parent / src).exists(), src
+
+
+def test_every_service_has_a_health_check_and_waits_for_healthy_dependencies():
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    for name, svc in SERVICES.items():
+        from_image = "build" in svc and "HEALTHCHECK" in dockerfile
+        assert "healthcheck" in svc or from_image, name
+        for dep, how in (svc.get("depends_on") or {}).items():
+            assert how == {"condition": "service_healthy"}, (name, dep)
+
+
+def test_the_kvroute_processes_run_under_an_init_and_not_as_root():
+    assert "\nUSER kvroute" in (DEPLOY / "Dockerfile").read_text()
+    for name in services("router-") + services("replica-"):
+        assert SERVICES[name]["init"] is True, name
+
+
+def test_the_build_context_leaves_out_tests_caches_and_results():
+    ignored = set((DEPLOY.parent / ".dockerignore").read_text().split())
+    assert {".git", ".venv", "tests", "loadtest/results", "**/__pycache__"} <= ignored
