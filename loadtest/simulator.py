@@ -335,7 +335,7 @@ class VLLMSimulator:
         except (ValueError, RecursionError):
             return await _json(send, 400, _error("JSON decode error", "Bad Request", "body", 400))
         model = req.get("model", self.model)
-        if model != self.model:
+        if not self.serves(model):
             return await _json(send, 404, _error(
                 f"The model `{model}` does not exist. Valid aliases: {self.model}.", "NotFoundError", "model", 404))
         bad = _invalid_fields(req) or apis.invalid(path, req)
@@ -454,7 +454,7 @@ class VLLMSimulator:
                 "'input': '<dict of 0 items>', 'ctx': {'error': 'Expecting property name enclosed in double quotes'}}",
                 "Bad Request", "body.1", 400))
         model = req.get("model", self.model)
-        if model != self.model:
+        if not self.serves(model):
             return await _json(send, 404, _error(
                 f"The model `{model}` does not exist. Valid aliases: {self.model}.", "NotFoundError", "model", 404))
         if path == "/tokenize":
@@ -710,6 +710,17 @@ class VLLMSimulator:
         return byte_token_ids(prompt_text(req, chat).encode(), self.bytes_per_token)
 
     # -- metadata ----------------------------------------------------------------------------
+
+    def serves(self, model: Any) -> bool:
+        """The base model, or one of the LoRA adapters /v1/models lists now (vLLM serves a loaded adapter by name)."""
+        if model == self.model:
+            return True
+        f = self.faults
+        prefix = f"adapter-{f.models_tag}-"
+        if not isinstance(model, str) or not model.startswith(prefix):
+            return False
+        i = model[len(prefix):]
+        return i.isdigit() and int(i) < f.extra_models
 
     def models(self) -> dict[str, Any]:
         f = self.faults

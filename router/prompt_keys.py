@@ -3,7 +3,9 @@
 ``prefix.tokenizer: auto`` (the default) looks for each served model's tokenizer and chat template
 on this host, never downloading: the folder vLLM reports as the model's ``root`` in ``/v1/models``
 when it exists here, else the local Hugging Face cache. It says in the log which one it used, or
-that it found none: then that model is keyed in byte mode. A path keys every model with that
+that it found none: then that model is keyed in byte mode. A LoRA adapter (a model whose card names another as
+its ``parent``) is keyed with its base model's tokenizer, as vLLM encodes it, and is not looked for itself:
+adapters may come and go at every health check. A path keys every model with that
 tokenizer; ``none`` keys every model in byte mode. ``prefix.tokenizers`` names a tokenizer per model
 and wins over both.
 
@@ -91,6 +93,7 @@ class PromptKeys:
         self._source: dict[str, str] = {m: f"prefix.tokenizers.{m}" for m in self._by_model}
         self._calibration: dict[str, _Calibration] = {}
         self._served: dict[str, frozenset[str]] = {}  # replica -> the models it serves
+        self._parent: dict[str, str] = {}  # LoRA adapter -> the base model whose tokenizer keys it
         self._warned_at = -_WARN_EVERY_S
         self._unwarned = 0  # models without a tokenizer not warned about (one warning a minute at most)
         self._searching: set[str] = set()  # models whose tokenizer is being looked for, or waiting to be
@@ -106,19 +109,25 @@ class PromptKeys:
     # -- keys ----------------------------------------------------------------------------------
 
     def tokenizer(self, model: str) -> LocalTokenizer | None:
-        return self._by_model.get(model, self._default)
+        return self._by_model.get(self._keyed_as(model), self._default)
 
     def settled(self, model: str) -> bool:
         """How ``model``'s prompts are keyed is decided (its tokenizer was looked for, or configured)."""
-        return model in self._seen and model not in self._searching
+        return model in self._seen and self._keyed_as(model) not in self._searching
 
     def bytes_per_token(self, model: str) -> float:
-        c = self._calibration.get(model)
+        c = self._calibration.get(self._keyed_as(model))
         return c.value if c is not None else self.cfg.bytes_per_token
+
+    def _keyed_as(self, model: str) -> str:
+        """The model whose tokenizer (and bytes per token) keys ``model``: its base model for a LoRA adapter,
+        unless ``prefix.tokenizers`` names one for the adapter itself."""
+        base = self._parent.get(model)
+        return base if base is not None and model not in self.cfg.tokenizers else model
 
     async def key(self, path: str, payload: dict[str, Any], model: str, body_size: int = 0) -> PromptKey | None:
         """The prompt's key, or None when it has none (the request is then routed by load alone)."""
-        tokenizer = self._by_model.get(model, self._default)
+        tokenizer = self.tokenizer(model)
         bpt = self.bytes_per_token(model)
         try:
             if tokenizer is not None and body_size > _INLINE_TOKENIZE_BYTES:
@@ -152,6 +161,7 @@ class PromptKeys:
         """A replica counted ``prompt_tokens`` for a prompt keyed as ``key``."""
         if prompt_tokens <= 0 or not key.in_bytes:
             return  # token ids (some or all): nothing to learn
+        model = self._keyed_as(model)
         c = self._calibration.get(model)
         if c is None:
             c = self._calibration[model] = _Calibration(self.cfg.bytes_per_token)
@@ -174,11 +184,13 @@ class PromptKeys:
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, ReplicaModels):
-            self._served[event.replica] = frozenset(m for m, _ in event.models)
-            for model, root in event.models:
+            self._served[event.replica] = frozenset(m for m, _, _ in event.models)
+            for model, root, parent in event.models:
+                if parent is not None and parent != model:
+                    self._parent[model] = parent
                 if model not in self._seen:
                     self._seen.add(model)
-                    if self.auto and model not in self._by_model:
+                    if self.auto and model not in self._by_model and self._keyed_as(model) == model:
                         self._searching.add(model)
                         self._queue[model] = root
             self._forget_unserved()
@@ -191,8 +203,9 @@ class PromptKeys:
     def _forget_unserved(self) -> None:
         """What this router keeps per model follows the replicas that serve it (ids come and go: LoRA adapters)."""
         served = set(self.cfg.tokenizers).union(*self._served.values())
-        for model in [m for m in self._seen | set(self._calibration) if m not in served]:
+        for model in [m for m in self._seen | set(self._calibration) | set(self._parent) if m not in served]:
             self._seen.discard(model)
+            self._parent.pop(model, None)
             self._calibration.pop(model, None)
             if model in self._queue:  # not looked for yet: it need not be
                 del self._queue[model]
@@ -246,14 +259,17 @@ class PromptKeys:
         models = self._seen | set(self._calibration)
         out: dict[str, Any] = {}
         for m in sorted(models):
+            base = self._keyed_as(m)
             tokenizer = self.tokenizer(m)
             if tokenizer is not None:
-                out[m] = {"mode": "tokens", "tokenizer": self._source.get(m, "prefix.tokenizer"),
+                out[m] = {"mode": "tokens", "tokenizer": self._source.get(base, "prefix.tokenizer"),
                           "encoding": tokenizer.describe()}
             else:
-                c = self._calibration.get(m)
+                c = self._calibration.get(base)
                 out[m] = {"mode": "bytes", "bytes_per_token": self.bytes_per_token(m),
                           "answers_seen": c.samples if c is not None else 0}
+            if base != m:
+                out[m]["keyed_as"] = base  # a LoRA adapter, keyed as its base model is
         return out
 
     async def close(self) -> None:

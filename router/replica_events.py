@@ -45,10 +45,11 @@ class ReplicaRemoved:
 
 @dataclass(frozen=True)
 class ReplicaModels:
-    """The models a replica serves changed: (served name, the ``root`` it loaded them from, if it says)."""
+    """The models a replica serves changed: (served name, the ``root`` it loaded them from, the base model it
+    adapts (``parent``, for a LoRA adapter)), each as the replica says."""
 
     replica: str
-    models: tuple[tuple[str, str | None], ...]
+    models: tuple[tuple[str, str | None, str | None], ...]
 
 
 Event = Union[ReplicaReady, ReplicaUnready, ReplicaRestarted, ReplicaAdded, ReplicaRemoved, ReplicaModels]

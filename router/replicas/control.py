@@ -17,9 +17,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
 
-import orjson
 
 from .. import hops
 from ..config import HealthConfig, ProxyConfig
@@ -71,14 +69,14 @@ class Control:
     """Health checks and scrapes of the replicas of a pool (``replicas``: the pool's mapping, read only)."""
 
     def __init__(self, replicas: Mapping[str, Replica], config: HealthConfig, proxy: ProxyConfig, load: LoadTable,
-                 health: Health, on_models: Callable[[Replica, Any], None],
+                 health: Health, on_models: Callable[[Replica, bytes], None],
                  scrape: Callable[[Replica], Awaitable[None]], instance: str | None) -> None:
         self.replicas = replicas
         self.config = config
         self.proxy = proxy
         self.load = load
         self.health = health
-        self.on_models = on_models  # what a replica's /v1/models answered (parsed)
+        self.on_models = on_models  # what a replica's /v1/models answered (its body: ValueError if not JSON)
         self.scrape = scrape
         self.instance = instance  # this router's id (router.hops): a replica answering with it is this router
         self._checked: set[str] = set()  # replicas whose first health check is done
@@ -124,7 +122,7 @@ class Control:
                 if status != 200:
                     self.health.mark_failure(r, f"/v1/models answered {status}")
                     return
-                self.on_models(r, orjson.loads(body))  # at most 1,024 levels deep
+                self.on_models(r, body)
         except ConnectFailed as e:
             self.health.mark_failure(r, f"connection failed: {e}", immediate=True)
             return

@@ -191,11 +191,11 @@ class ReplicaPool:
 
     # -- what the replicas serve, their drains --------------------------------------------
 
-    def set_models(self, r: Replica, payload: Any) -> None:
-        """What the replica's /v1/models says it serves (see :mod:`.models`)."""
-        cards = models.cards_from(r, payload)
-        roots = models.roots(cards)
-        changed = roots != models.roots(r.model_cards)
+    def set_models(self, r: Replica, body: bytes) -> None:
+        """What the replica's /v1/models answered (its body) says it serves (see :mod:`.models`)."""
+        cards = models.cards_from(r, body)
+        listing = models.listing(cards)
+        changed = listing != models.listing(r.model_cards)
         before = self.served_models() if changed else set()
         r.model_cards = cards
         if not r.config.models:
@@ -204,7 +204,7 @@ class ReplicaPool:
                 r.models = served
                 r.view = r.make_view()
         if changed:
-            self.events.publish(ReplicaModels(r.name, roots))
+            self.events.publish(ReplicaModels(r.name, listing))
             self._forget_models(before)
 
     def served_models(self) -> set[str]:

@@ -59,5 +59,6 @@ def test_a_replica_that_never_listens_is_reported_failed_to_start_after_the_star
     wait_until(lambda: replicas_view(rt)[never.url]["state"] == "unready", timeout=10, interval=0.2)
     view = replicas_view(rt)[never.url]
     assert view["failed_to_start"].startswith("did not become ready within 2 s")
+    wait_until(lambda: "failed to start" in rt.log_tail(100_000), timeout=5)  # written by the logging thread
     log = rt.log_tail(100_000)
     assert log.count("failed to start") == 1, log

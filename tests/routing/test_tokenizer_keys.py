@@ -160,3 +160,20 @@ def test_in_byte_mode_bytes_per_token_is_learned_from_the_replicas_answers(clust
         assert r.status_code == 200
     keys = HTTP.get(rt.url + "/admin/replicas", timeout=2).json()["prompt_keys"]["tiny"]
     assert keys["mode"] == "bytes" and 5.7 <= keys["bytes_per_token"] <= 6.3, keys
+
+
+def test_a_lora_adapter_is_keyed_with_its_base_models_tokenizer_without_a_search_of_its_own(cluster, model_dir):
+    from support.state import set_faults
+    from support.waiting import wait_until
+    sim = cluster.sim("--ttft-ms", "1", "--itl-ms", "1", "--root", str(model_dir))
+    set_faults(sim, extra_models=2, models_tag="sql")  # two adapters of "tiny", their roots not on this host
+    rt = cluster.router([sim])
+    wait_keyed_by_tokens(rt, timeout=5)
+    wait_until(lambda: "adapter-sql-1" in prompt_keys(rt), timeout=5)
+    adapter = prompt_keys(rt)["adapter-sql-1"]
+    assert adapter["mode"] == "tokens" and adapter["keyed_as"] == "tiny", adapter
+    r = HTTP.post(rt.url + "/v1/completions", timeout=10, json={
+        "model": "adapter-sql-1", "prompt": " ".join(WORDS[:40]), "max_tokens": 1})
+    assert r.status_code == 200 and "no tokenizer on this host" not in rt.log_tail(20000)
+    keyed = HTTP.get(rt.url + "/metrics", timeout=2).text
+    assert 'kvroute_prompt_keys_total{mode="tokens",reason=""} 1.0' in keyed
