@@ -32,11 +32,11 @@ import xxhash
 log = logging.getLogger("kvroute.tokenizer")
 
 MIN_CHARS = 4096  # shorter texts are encoded whole (or by pieces): cheap
-BLOCK_CHARS = 1024
+BLOCK_CHARS = 256  # a known text is known up to its last full block: what follows is encoded again
 MARGIN_CHARS = 256  # tokens starting this close to the end of known text are encoded again
 OVERLAP = 8  # tokens both encodes must agree on where they join
 WINDOW_CHARS = 8192  # characters encoded per step (building ~2,000 ids and offsets holds the interpreter ~1 ms)
-CACHE_TOKENS = 2_000_000  # token ids kept per tokenizer (8 bytes each with their places)
+CACHE_TOKENS = 2_000_000  # token ids kept per tokenizer (8 bytes each with their places; ~31 MB in all when full)
 _VERIFY_FIRST = 32  # encodes checked against the whole-text encode before trusting a reusing encoder ...
 _VERIFY_EVERY = 256  # ... and one in this many after
 _VERIFY_MAX_CHARS = 262_144  # the first encodes checked are those up to this long (a check holds the interpreter)
