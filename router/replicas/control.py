@@ -18,7 +18,6 @@ import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
 
-
 from .. import hops
 from ..config import HealthConfig, ProxyConfig
 from ..load import LoadTable

@@ -4,7 +4,7 @@ A replica may list a base model and its LoRA adapters, and the list may change a
 loading and unloading adapters): at most :data:`MAX_MODELS` ids per replica are kept, each at most
 :data:`MAX_ID_CHARS` characters, each card cut to vLLM's own fields and at most :data:`MAX_CARD_BYTES`. A
 listing longer than that is not parsed past its first :data:`MAX_MODELS` cards where its layout is vLLM's (see
-:func:`parse`): the cards it would drop are never built, so a replica listing thousands of adapters at every
+:func:`cards_from`): the cards it would drop are never built, so a replica listing thousands of adapters at every
 check costs what a thousand do.
 """
 
