@@ -9,8 +9,9 @@ rest from ``OVERLAP`` tokens before that point on. It joins the fresh ids to the
 both agree on those overlapping tokens, ids and places; where they do not, the text is encoded whole.
 
 A first-seen text is encoded the same way, window after window of ``WINDOW_CHARS``: the tokenizer
-releases the interpreter while it encodes, but building the lists of ids and offsets does not, so
-no step holds it long, and a 100,000-token prompt does not stall the requests beside it.
+library releases the interpreter while it encodes, but building the lists of ids and offsets does not (nor
+does encoding word by word), so no step holds it long, the interpreter is handed on between windows, and a
+100,000-token prompt does not stall the requests beside it.
 
 Whether a tokenizer really encodes this way is checked against the whole-text encode on its first
 encodes and now and then after, as :class:`router.tokenizer.Segments` is: one difference turns
@@ -22,25 +23,29 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from array import array
 from bisect import bisect_left
-from collections import OrderedDict
-from typing import Any
+from collections import OrderedDict, deque
+from typing import Any, Callable, Union
 
 import xxhash
 
 log = logging.getLogger("kvroute.tokenizer")
 
 MIN_CHARS = 4096  # shorter texts are encoded whole (or by pieces): cheap
-BLOCK_CHARS = 256  # a known text is known up to its last full block: what follows is encoded again
+BLOCK_CHARS = 1024  # a known text is known up to its last full block: what follows is encoded again (from the margin)
 MARGIN_CHARS = 256  # tokens starting this close to the end of known text are encoded again
 OVERLAP = 8  # tokens both encodes must agree on where they join
 WINDOW_CHARS = 8192  # characters encoded per step (building ~2,000 ids and offsets holds the interpreter ~1 ms)
-CACHE_TOKENS = 2_000_000  # token ids kept per tokenizer (8 bytes each with their places; ~31 MB in all when full)
+CACHE_TOKENS = 2_000_000  # token ids kept per tokenizer (8 bytes each with their places; ~18 MB in all when full)
 _VERIFY_FIRST = 32  # encodes checked against the whole-text encode before trusting a reusing encoder ...
 _VERIFY_EVERY = 256  # ... and one in this many after
 _VERIFY_MAX_CHARS = 262_144  # the first encodes checked are those up to this long (a check holds the interpreter)
 _RELEASE_CHARS = 2048  # texts from this long are encoded where other threads can run beside
+
+
+Ids = Union[list[int], array]  # token ids: a list, or an array("I") where they were put together as one
 
 
 def encode_whole(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
@@ -64,7 +69,7 @@ class WholeCheck:
         self.enabled = True
         self.encodes = self.checked = 0
 
-    def __call__(self, text: str, add_special_tokens: bool, ids: list[int]) -> list[int]:
+    def __call__(self, text: str, add_special_tokens: bool, ids: Ids) -> Ids:
         with self._lock:
             self.encodes += 1
             first = self.encodes <= _VERIFY_FIRST and (self._first_max is None or len(text) <= self._first_max)
@@ -74,7 +79,7 @@ class WholeCheck:
         whole = encode_whole(self._tok, text, add_special_tokens)
         with self._lock:
             self.checked += 1
-        if whole != ids:
+        if whole != (ids.tolist() if isinstance(ids, array) else ids):
             self.enabled = False
             log.warning("tokenizer %s: %s differs from encoding the text whole; such texts are encoded whole from "
                         "now on", self._name, self._doing)
@@ -86,64 +91,88 @@ def block_hashes(text: str) -> list[int]:
     out = []
     h = 0
     hasher = xxhash.xxh3_64_intdigest
+    if text.isascii():  # a character is a byte: encoded once, blocks are slices of it
+        data = memoryview(text.encode("ascii"))
+        for start in range(0, len(text) - BLOCK_CHARS + 1, BLOCK_CHARS):
+            h = hasher(data[start:start + BLOCK_CHARS], seed=h)
+            out.append(h)
+        return out
     for start in range(0, len(text) - BLOCK_CHARS + 1, BLOCK_CHARS):
         h = hasher(text[start:start + BLOCK_CHARS].encode("utf-8", "surrogatepass"), seed=h)
         out.append(h)
     return out
 
 
+# (text, where it begins in the whole) -> (its ids, where each token starts in the whole), or None
+Window = Callable[[str, int], "tuple[list[int], list[int]] | None"]
+
+
+def library_window(tok: Any) -> Window:
+    """Windows encoded by the tokenizer library (its tokens' offsets as their places)."""
+    def encode(text: str, at: int) -> tuple[list[int], list[int]]:
+        enc = tok.encode_batch([text], add_special_tokens=False)[0]
+        return enc.ids, [o[0] + at for o in enc.offsets]
+    return encode
+
+
 class Incremental:
     """Incremental encoding for one tokenizer (``tok``: a ``tokenizers.Tokenizer``).
 
     ``frame`` is what ``add_special_tokens`` puts around a text (ids before, ids after), or None when
-    that is not known: texts with special tokens added are then encoded whole.
+    that is not known: texts with special tokens added are then encoded whole. ``window`` encodes the new
+    text (:func:`library_window` unless given; :class:`router.word_encoder.WordEncoder` gives a faster one);
+    every window of a text and every kept block must come from the same one, as places are its own.
     """
 
-    def __init__(self, tok: Any, name: str, frame: tuple[list[int], list[int]] | None) -> None:
+    def __init__(self, tok: Any, name: str, frame: tuple[list[int], list[int]] | None,
+                 window: Window | None = None) -> None:
         self._tok = tok
+        self._window = window or library_window(tok)
         self._name = name
         self._frame = frame
-        self._blocks: OrderedDict[int, tuple[array, array]] = OrderedDict()  # hash -> (ids, starts)
+        # hash -> (ids, starts) of the tokens starting in the block, as the bytes of arrays of "I" (joined at once)
+        self._blocks: OrderedDict[int, tuple[bytes, bytes]] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()  # encodes run in worker threads side by side
         self._check = WholeCheck(tok, name, "encoding a long text from where an earlier one left off",
                                  _VERIFY_MAX_CHARS)
         self.reused = self.fresh = self.unjoined = 0
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int] | None:
-        """The ids of ``text``, or None where it must be encoded another way."""
+    def encode(self, text: str, add_special_tokens: bool) -> array | None:
+        """The ids of ``text`` (an ``array("I")``), or None where it must be encoded another way."""
         if not self._check.enabled or len(text) < MIN_CHARS or (add_special_tokens and self._frame is None):
             return None
         hashes = block_hashes(text)
-        ids, starts = array("I"), array("I")
         with self._lock:
-            known = 0
-            for h in hashes:
-                got = self._blocks.get(h)
-                if got is None:
-                    break
-                self._blocks.move_to_end(h)
-                ids.extend(got[0])
-                starts.extend(got[1])
-                known += 1
+            found = list(map(self._blocks.get, hashes))
+            known = found.index(None) if None in found else len(found)
+            deque(map(self._blocks.move_to_end, hashes[:known]), maxlen=0)  # used: last out
+        ids, starts = array("I"), array("I")
+        ids.frombytes(b"".join([f[0] for f in found[:known]]))
+        starts.frombytes(b"".join([f[1] for f in found[:known]]))
         reused = len(ids)
-        if not self._extend(text, ids, starts, known * BLOCK_CHARS):
-            with self._lock:
-                self.unjoined += 1
+        joined = self._extend(text, ids, starts, known * BLOCK_CHARS)
+        if not joined:
+            if joined is False:
+                with self._lock:
+                    self.unjoined += 1
             return None
         self._keep(hashes, known, ids, starts)
-        out = ids.tolist()
-        if add_special_tokens:
-            assert self._frame is not None
-            out = self._frame[0] + out + self._frame[1]
         with self._lock:
             self.reused += min(reused, len(ids))
             self.fresh += max(0, len(ids) - reused)
-        return self._check(text, add_special_tokens, out)
+        if add_special_tokens:
+            assert self._frame is not None
+            framed = array("I", self._frame[0])
+            framed += ids
+            framed.extend(self._frame[1])
+            ids = framed
+        return self._check(text, add_special_tokens, ids)
 
-    def _extend(self, text: str, ids: array, starts: array, pos: int) -> bool:
+    def _extend(self, text: str, ids: array, starts: array, pos: int) -> bool | None:
         """Complete ``ids`` (the tokens of ``text`` up to ``pos``, the last ones maybe unfinished) to the end of
-        ``text``, a window at a time; False where fresh ids do not join the kept ones."""
+        ``text``, a window at a time; False where fresh ids do not join the kept ones, None where a window cannot
+        be encoded this way."""
         end = len(text)
         while True:
             # keep the tokens that start before pos - MARGIN, and encode again from OVERLAP tokens before the
@@ -154,19 +183,24 @@ class Incremental:
             stop = min(end, at + WINDOW_CHARS)
             if stop <= pos < end:
                 return False  # a token longer than a window: no progress this way
-            enc = self._tok.encode_batch([text[at:stop]], add_special_tokens=False)[0]
-            fresh, offsets = enc.ids, enc.offsets
+            got = self._window(text[at:stop], at)
+            if got is None:
+                return None
+            fresh, places = got
             agree = j - j0
             if agree:
                 if fresh[:agree] != ids[j0:j].tolist() or \
-                        any(offsets[i][0] + at != starts[j0 + i] for i in range(agree)):
+                        any(places[i] != starts[j0 + i] for i in range(agree)):
                     return False
             del ids[j0:], starts[j0:]
             ids.extend(fresh)
-            starts.extend(o[0] + at for o in offsets)
+            starts.extend(places)
             if stop >= end:
                 return True
             pos = stop
+            # between windows the interpreter is let go: a thread waiting for it (the event loop) takes it now rather
+            # than after the switch interval (5 ms). A sleep, not a yield: the waiter needs the moment to wake up.
+            time.sleep(0)
 
     def _keep(self, hashes: list[int], known: int, ids: array, starts: array) -> None:
         """Keep the ids of the blocks not known before: those of the tokens that start in each."""
@@ -176,15 +210,15 @@ class Incremental:
         for i in range(known, len(hashes)):
             lo = bisect_left(starts, i * BLOCK_CHARS)
             hi = bisect_left(starts, (i + 1) * BLOCK_CHARS)
-            blocks.append((hashes[i], ids[lo:hi], starts[lo:hi]))
+            blocks.append((hashes[i], ids[lo:hi].tobytes(), starts[lo:hi].tobytes()))
         with self._lock:
             for h, block_ids, block_starts in blocks:
                 if h in self._blocks:
                     continue
                 self._blocks[h] = (block_ids, block_starts)
-                self._tokens += len(block_ids)
+                self._tokens += len(block_ids) // 4
             while self._tokens > CACHE_TOKENS and self._blocks:
-                self._tokens -= len(self._blocks.popitem(last=False)[1][0])
+                self._tokens -= len(self._blocks.popitem(last=False)[1][0]) // 4
 
     def describe(self) -> dict[str, Any]:
         with self._lock:

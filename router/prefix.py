@@ -31,7 +31,7 @@ import struct
 import sys
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import xxhash
 
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from .tokenizer import LocalTokenizer
 
 _BIG_ENDIAN = sys.byteorder == "big"
+Prompt = Union[bytes, list[int], array]  # a prompt in bytes (byte mode) or token ids (a list, or an array("I"))
 _ROLE = b"\x1e"  # record separator before each message
 _PART = b"\x1f"  # unit separator between the fields of a message
 
@@ -97,12 +98,45 @@ def root_seed(model: str, lora: str | None = None, cache_salt: str | None = None
         (model.encode(), (lora or "").encode(), (cache_salt or "").encode())))
 
 
-def chain_bytes(data: bytes, block_bytes: int, seed: int) -> list[int]:
-    """Hashes of the full ``block_bytes``-sized blocks of ``data``, each seeded by the previous."""
-    h = seed
-    out = []
+_RUN_BYTES = 2048  # a run of blocks about this long is named by one hash, and its blocks' hashes kept under it
+_RUNS_KEPT = 4096  # runs kept (about 5 MB; then the table starts over)
+_runs: dict[int, tuple[int, ...]] = {}  # run name -> the hashes of its blocks
+
+
+def chain_bytes(data: bytes | memoryview, block_bytes: int, seed: int) -> list[int]:
+    """Hashes of the full ``block_bytes``-sized blocks of ``data``, each seeded by the previous.
+
+    A long prompt's blocks are hashed run by run: one hash over a whole run (chained over the runs before it
+    and seeded by ``seed`` and ``block_bytes``) names everything up to its end, so a run named before gives its
+    blocks' hashes at once. A prompt that shares 11,000 tokens with an earlier one hashes its blocks only past
+    them.
+    """
     hasher = xxhash.xxh3_64_intdigest
-    for start in range(0, len(data) - block_bytes + 1, block_bytes):
+    per_run = max(4, _RUN_BYTES // block_bytes)
+    blocks = len(data) // block_bytes
+    out: list[int] = []
+    h = seed
+    start = 0
+    if blocks >= 2 * per_run:
+        view = memoryview(data)
+        run_bytes = per_run * block_bytes
+        name = hasher(block_bytes.to_bytes(8, "little"), seed=seed)
+        for start in range(0, blocks // per_run * run_bytes, run_bytes):
+            name = hasher(view[start:start + run_bytes], seed=name)
+            got = _runs.get(name)
+            if got is None:
+                fresh = []
+                for at in range(start, start + run_bytes, block_bytes):
+                    h = hasher(view[at:at + block_bytes], seed=h)
+                    fresh.append(h)
+                got = tuple(fresh)
+                if len(_runs) >= _RUNS_KEPT:
+                    _runs.clear()
+                _runs[name] = got
+            out.extend(got)
+            h = got[-1]
+        start = blocks // per_run * run_bytes
+    for start in range(start, blocks * block_bytes, block_bytes):
         h = hasher(data[start:start + block_bytes], seed=h)
         out.append(h)
     return out
@@ -113,6 +147,11 @@ def chain_tokens(ids: Sequence[int], block_tokens: int, seed: int) -> list[int]:
     n = len(ids) - len(ids) % block_tokens
     if n == 0:
         return []
+    if isinstance(ids, array) and ids.typecode == "I" and ids.itemsize == 4:
+        packed = ids[:n] if n < len(ids) or _BIG_ENDIAN else ids
+        if _BIG_ENDIAN:
+            packed.byteswap()
+        return chain_bytes(memoryview(packed).cast("B"), block_tokens * 4, seed)
     try:
         packed = array("I", ids[:n])  # 4-byte unsigned on every platform CPython builds for
         if _BIG_ENDIAN:
@@ -123,8 +162,8 @@ def chain_tokens(ids: Sequence[int], block_tokens: int, seed: int) -> list[int]:
     return chain_bytes(data, block_tokens * 4, seed)
 
 
-def _tokens(prompt: bytes | list[int], bytes_per_token: float) -> int:
-    return len(prompt) if isinstance(prompt, list) else math.ceil(len(prompt) / bytes_per_token)
+def _tokens(prompt: Prompt, bytes_per_token: float) -> int:
+    return math.ceil(len(prompt) / bytes_per_token) if isinstance(prompt, bytes) else len(prompt)
 
 
 def block_bytes(block_tokens: int, bytes_per_token: float) -> int:
@@ -141,7 +180,7 @@ class PromptKey:
 
     model: str
     seed: int
-    prompts: list[bytes | list[int]]
+    prompts: list[Prompt]
     bytes_per_token: float
     inexact: str | None = None  # why a request whose model has a tokenizer is keyed by bytes (render.REASONS)
     _chains: dict[int, list[list[int]]] = field(default_factory=dict)
@@ -149,11 +188,11 @@ class PromptKey:
     @property
     def in_bytes(self) -> bool:
         """Every prompt is keyed by bytes (byte mode): its length in tokens is an estimate."""
-        return not any(isinstance(p, list) for p in self.prompts)
+        return all(isinstance(p, bytes) for p in self.prompts)
 
     def byte_length(self) -> int:
         """Bytes of the byte-mode prompts (what calibration divides by the replica's token count)."""
-        return sum(len(p) for p in self.prompts if not isinstance(p, list))
+        return sum(len(p) for p in self.prompts if isinstance(p, bytes))
 
     def prompt_tokens(self) -> list[int]:
         """Prompt length in tokens (estimated in byte mode), per prompt."""
@@ -163,9 +202,8 @@ class PromptKey:
         """One hash chain per prompt for KV blocks of ``block_tokens`` tokens (computed once per size)."""
         got = self._chains.get(block_tokens)
         if got is None:
-            got = [chain_tokens(p, block_tokens, self.seed) if isinstance(p, list)
-                   else chain_bytes(p, block_bytes(block_tokens, self.bytes_per_token), self.seed)
-                   for p in self.prompts]
+            got = [chain_bytes(p, block_bytes(block_tokens, self.bytes_per_token), self.seed) if isinstance(p, bytes)
+                   else chain_tokens(p, block_tokens, self.seed) for p in self.prompts]
             self._chains[block_tokens] = got
         return got
 
@@ -183,8 +221,8 @@ def _responses_messages(payload: dict[str, Any]) -> list[Any]:
     return out
 
 
-def _encode_completion(tokenizer: "LocalTokenizer | None", text: str, special: bool) -> bytes | list[int]:
-    return tokenizer.encode(text, add_special_tokens=special) if tokenizer is not None else _text(text)
+def _encode_completion(tokenizer: "LocalTokenizer | None", text: str, special: bool) -> Prompt:
+    return tokenizer.ids(text, add_special_tokens=special) if tokenizer is not None else _text(text)
 
 
 def _is_ids(value: Any) -> bool:
@@ -193,7 +231,7 @@ def _is_ids(value: Any) -> bool:
 
 
 def prompts_of(path: str, payload: dict[str, Any],
-               tokenizer: "LocalTokenizer | None" = None) -> tuple[list[bytes | list[int]] | None, str | None]:
+               tokenizer: "LocalTokenizer | None" = None) -> tuple[list[Prompt] | None, str | None]:
     """The canonical prompt(s) of a request body in byte/id form (None if it has none to key), and why
     they are bytes though a tokenizer was given (one of :data:`router.render.REASONS`), else None.
 
@@ -238,7 +276,7 @@ def prompts_of(path: str, payload: dict[str, Any],
         if _is_ids(prompt):
             return [list(prompt)], None
         if isinstance(prompt, list) and prompt:
-            out: list[bytes | list[int]] = []
+            out: list[Prompt] = []
             for p in prompt:
                 if isinstance(p, str):
                     out.append(_encode_completion(tokenizer, p, special))

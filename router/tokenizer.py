@@ -20,11 +20,12 @@ import threading
 from array import array
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from .incremental import Incremental, WholeCheck, encode_whole
+from .incremental import WINDOW_CHARS, Ids, Incremental, WholeCheck, encode_whole
 from .chat_template import ChatTemplate
 from .render import SPECIAL_TOKENS, Unkeyable, render_chat
+from .word_encoder import WordEncoder
 
 log = logging.getLogger("kvroute.tokenizer")
 
@@ -86,8 +87,12 @@ class LocalTokenizer:
                 except Exception as e:
                     raise TokenizerError(f"chat template {name!r} does not compile: {e}") from None
         frame = special_frame(self._tok)
-        self._segments = Segments.of(self._tok, str(file), frame) if reuse else None
-        self._incremental = Incremental(self._tok, str(file), frame) if reuse else None
+        self._frame = frame
+        self._words = WordEncoder.of(self._tok, str(file)) if reuse else None
+        self._words_check = WholeCheck(self._tok, str(file), "encoding word by word")
+        self._segments = Segments.of(self._tok, str(file), frame, self._plain) if reuse else None
+        self._incremental = Incremental(self._tok, str(file), frame,
+                                        self._word_window if self._words is not None else None) if reuse else None
 
     @property
     def has_chat_template(self) -> bool:
@@ -112,8 +117,14 @@ class LocalTokenizer:
         raise Unkeyable("no_chat_template")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The ids of ``text``: from where an earlier long text left off (:mod:`router.incremental`), by pieces
-        between added tokens (:class:`Segments`), or whole; the same ids every way."""
+        """The ids of ``text`` as a list (:meth:`ids`)."""
+        got = self.ids(text, add_special_tokens)
+        return got.tolist() if isinstance(got, array) else got
+
+    def ids(self, text: str, add_special_tokens: bool = True) -> Ids:
+        """The ids of ``text``: from where an earlier long text left off (:mod:`router.incremental`; an
+        ``array("I")``), by pieces between added tokens (:class:`Segments`), word by word
+        (:mod:`router.word_encoder`), or whole by the tokenizer library; the same ids every way."""
         if self._incremental is not None:
             ids = self._incremental.encode(text, add_special_tokens)
             if ids is not None:
@@ -122,20 +133,50 @@ class LocalTokenizer:
             ids = self._segments.encode(text, add_special_tokens)
             if ids is not None:
                 return ids
+        if self._words is not None and self._words_check.enabled and len(text) <= WINDOW_CHARS and \
+                (self._frame is not None or not add_special_tokens):
+            got = self._words.encode(text)
+            if got is not None:
+                ids = got[0]
+                if add_special_tokens:
+                    assert self._frame is not None
+                    ids = self._frame[0] + ids + self._frame[1]
+                return self._words_check(text, add_special_tokens, ids)
         return encode_whole(self._tok, text, add_special_tokens)
+
+    def _word_window(self, text: str, at: int) -> tuple[list[int], list[int]] | None:
+        """A window for :class:`~router.incremental.Incremental`, word by word while that encodes as the library does."""
+        if self._words is None or not self._words_check.enabled:
+            return None
+        return self._words.encode(text, at)
+
+    def _plain(self, text: str) -> list[int]:
+        """``text`` without special tokens added: word by word where that is on and the text not long (it holds the
+        interpreter), else by the tokenizer library."""
+        if self._words is not None and self._words_check.enabled and len(text) <= WINDOW_CHARS:
+            got = self._words.encode(text)
+            if got is not None:
+                return got[0]
+        return encode_whole(self._tok, text, False)
 
     def describe(self) -> dict[str, Any]:
         out = self._segments.describe() if self._segments is not None else {"segments": "off"}
         out["incremental"] = self._incremental.describe() if self._incremental is not None else "off"
+        if self._words is None:
+            out["words"] = "off"
+        else:
+            out["words"] = {"state": "on" if self._words_check.enabled else "off (it encoded differently)",
+                            **self._words.describe(), "encodes": self._words_check.encodes,
+                            "checked_against_whole": self._words_check.checked}
         return out
 
     def render(self, payload: dict[str, Any]) -> str:
         """A chat completions body's prompt text, as vLLM renders it (raises :class:`Unkeyable`)."""
         return render_chat(self.chat_template(payload.get("tools") is not None), payload, self.special_tokens)
 
-    def chat_ids(self, payload: dict[str, Any]) -> list[int]:
+    def chat_ids(self, payload: dict[str, Any]) -> Ids:
         """A chat completions body's prompt token ids, as vLLM computes them (raises :class:`Unkeyable`)."""
-        return self.encode(self.render(payload), add_special_tokens=payload.get("add_special_tokens") is True)
+        return self.ids(self.render(payload), add_special_tokens=payload.get("add_special_tokens") is True)
 
     def render_chat(self, messages: Sequence[Any]) -> str:
         """Plain messages with the generation prompt (what most requests are)."""
@@ -154,8 +195,10 @@ class Segments:
     then after: one difference turns the pieces off for that tokenizer, with a warning.
     """
 
-    def __init__(self, tok: Any, name: str, added: dict[str, int], prefix: list[int], suffix: list[int]) -> None:
+    def __init__(self, tok: Any, name: str, added: dict[str, int], prefix: list[int], suffix: list[int],
+                 plain: Callable[[str], list[int]]) -> None:
         self._tok = tok
+        self._plain = plain  # text without special tokens added -> its ids
         self._ids = added
         self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
         self._prefix, self._suffix = prefix, suffix  # what add_special_tokens puts around the text
@@ -166,12 +209,13 @@ class Segments:
         self.hits = self.misses = 0
 
     @classmethod
-    def of(cls, tok: Any, name: str, frame: tuple[list[int], list[int]] | None) -> "Segments | None":
+    def of(cls, tok: Any, name: str, frame: tuple[list[int], list[int]] | None,
+           plain: Callable[[str], list[int]]) -> "Segments | None":
         """Segments for ``tok``, or None if it has no added tokens to split at (or its frame is unknown)."""
         added = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.content}
         if not added or frame is None:
             return None
-        return cls(tok, name, added, *frame)
+        return cls(tok, name, added, *frame, plain)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int] | None:
         """The ids of ``text``, or None where the whole text must be encoded instead."""
@@ -187,7 +231,7 @@ class Segments:
             elif len(part) >= _SEGMENT_MIN_CHARS:
                 ids.extend(self._piece(part))
             elif part:
-                ids.extend(encode_whole(self._tok, part, False))
+                ids.extend(self._plain(part))
         if add_special_tokens:
             ids.extend(self._suffix)
         return self._check(text, add_special_tokens, ids)
@@ -200,7 +244,7 @@ class Segments:
                 self.hits += 1
                 return got
             self.misses += 1
-        got = array("I", encode_whole(self._tok, part, False))
+        got = array("I", self._plain(part))
         with self._lock:
             if part not in self._cache and len(got) <= _CACHE_TOKENS // 4:
                 self._cache[part] = got

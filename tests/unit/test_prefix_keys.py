@@ -88,3 +88,37 @@ def test_keys_are_the_same_in_every_process(prompt, conversation):
     out = subprocess.run([sys.executable, "-c", CODE], input=json.dumps(cases), capture_output=True, text=True,
                          check=True, env={"PYTHONHASHSEED": "random", "PATH": ""}, cwd=sys.path[0] or ".")
     assert json.loads(out.stdout) == here
+
+
+def _block_by_block(data: bytes, block: int, seed: int) -> list[int]:
+    import xxhash
+    out, h = [], seed
+    for start in range(0, len(data) - block + 1, block):
+        h = xxhash.xxh3_64_intdigest(data[start:start + block], seed=h)
+        out.append(h)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(min_size=0, max_size=9000), block=st.sampled_from([1, 7, 16, 64, 512]), cut=st.integers(0, 9000))
+def test_long_prompts_hashed_run_by_run_equal_block_by_block(data, block, cut):
+    """Runs of blocks named before give their hashes at once: the same hashes, first time or again, whole or cut."""
+    for _ in range(2):
+        assert chain_bytes(data, block, SEED) == _block_by_block(data, block, SEED)
+    assert chain_bytes(data[:cut], block, SEED) == _block_by_block(data[:cut], block, SEED)
+    assert chain_bytes(data, block, SEED + 1) == _block_by_block(data, block, SEED + 1)
+
+
+def test_the_runs_kept_are_bounded(monkeypatch):
+    import os
+    from router import prefix
+    monkeypatch.setattr(prefix, "_RUNS_KEPT", 10)
+    for _ in range(30):
+        chain_bytes(os.urandom(8192), 16, SEED)
+    assert len(prefix._runs) <= 10
+
+
+@given(ids=st.lists(st.integers(0, 2**32 - 1), max_size=2000))
+def test_token_ids_in_an_array_chain_as_in_a_list(ids):
+    from array import array
+    assert chain_tokens(array("I", ids), 16, SEED) == chain_tokens(ids, 16, SEED)

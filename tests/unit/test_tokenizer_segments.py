@@ -77,4 +77,4 @@ def test_without_reuse_every_text_is_encoded_whole(model_dir):
     tok = LocalTokenizer(model_dir, reuse=False)
     text = tok.render_chat([{"role": "system", "content": _words(600)}])
     assert tok.encode(text, add_special_tokens=False) == _whole(model_dir, text, False)
-    assert tok.describe() == {"segments": "off", "incremental": "off"}
+    assert tok.describe() == {"segments": "off", "incremental": "off", "words": "off"}
