@@ -99,17 +99,17 @@ def root_seed(model: str, lora: str | None = None, cache_salt: str | None = None
 
 
 _RUN_BYTES = 2048  # a run of blocks about this long is named by one hash, and its blocks' hashes kept under it
-_RUNS_KEPT = 4096  # runs kept (about 5 MB; then the table starts over)
-_runs: dict[int, tuple[int, ...]] = {}  # run name -> the hashes of its blocks
+_RUNS_KEPT = 2048  # runs kept (under 1 MB; then the table starts over)
+_runs: dict[int, array] = {}  # run name -> the hashes of its blocks (an array of "Q")
 
 
-def chain_bytes(data: bytes | memoryview, block_bytes: int, seed: int) -> list[int]:
+def chain_bytes(data: bytes | memoryview, block_bytes: int, seed: int, remember: bool = False) -> list[int]:
     """Hashes of the full ``block_bytes``-sized blocks of ``data``, each seeded by the previous.
 
-    A long prompt's blocks are hashed run by run: one hash over a whole run (chained over the runs before it
-    and seeded by ``seed`` and ``block_bytes``) names everything up to its end, so a run named before gives its
-    blocks' hashes at once. A prompt that shares 11,000 tokens with an earlier one hashes its blocks only past
-    them.
+    With ``remember`` (prompts: their heads recur; not the blocks of KV events, which do not) a long text's
+    blocks are hashed run by run: one hash over a whole run (chained over the runs before it and seeded by
+    ``seed`` and ``block_bytes``) names everything up to its end, so a run named before gives its blocks'
+    hashes at once. A prompt that shares 11,000 tokens with an earlier one hashes its blocks only past them.
     """
     hasher = xxhash.xxh3_64_intdigest
     per_run = max(4, _RUN_BYTES // block_bytes)
@@ -117,7 +117,7 @@ def chain_bytes(data: bytes | memoryview, block_bytes: int, seed: int) -> list[i
     out: list[int] = []
     h = seed
     start = 0
-    if blocks >= 2 * per_run:
+    if remember and blocks >= 2 * per_run:
         view = memoryview(data)
         run_bytes = per_run * block_bytes
         name = hasher(block_bytes.to_bytes(8, "little"), seed=seed)
@@ -129,7 +129,7 @@ def chain_bytes(data: bytes | memoryview, block_bytes: int, seed: int) -> list[i
                 for at in range(start, start + run_bytes, block_bytes):
                     h = hasher(view[at:at + block_bytes], seed=h)
                     fresh.append(h)
-                got = tuple(fresh)
+                got = array("Q", fresh)
                 if len(_runs) >= _RUNS_KEPT:
                     _runs.clear()
                 _runs[name] = got
@@ -142,7 +142,7 @@ def chain_bytes(data: bytes | memoryview, block_bytes: int, seed: int) -> list[i
     return out
 
 
-def chain_tokens(ids: Sequence[int], block_tokens: int, seed: int) -> list[int]:
+def chain_tokens(ids: Sequence[int], block_tokens: int, seed: int, remember: bool = False) -> list[int]:
     """Hashes of the full blocks of token ids (each id packed as 4 little-endian bytes)."""
     n = len(ids) - len(ids) % block_tokens
     if n == 0:
@@ -151,7 +151,7 @@ def chain_tokens(ids: Sequence[int], block_tokens: int, seed: int) -> list[int]:
         packed = ids[:n] if n < len(ids) or _BIG_ENDIAN else ids
         if _BIG_ENDIAN:
             packed.byteswap()
-        return chain_bytes(memoryview(packed).cast("B"), block_tokens * 4, seed)
+        return chain_bytes(memoryview(packed).cast("B"), block_tokens * 4, seed, remember)
     try:
         packed = array("I", ids[:n])  # 4-byte unsigned on every platform CPython builds for
         if _BIG_ENDIAN:
@@ -159,7 +159,7 @@ def chain_tokens(ids: Sequence[int], block_tokens: int, seed: int) -> list[int]:
         data = packed.tobytes()
     except (OverflowError, TypeError):  # an id out of 32 bits (a client's token-id prompt): masked, as before
         data = struct.pack(f"<{n}I", *(i & 0xFFFFFFFF for i in ids[:n]))
-    return chain_bytes(data, block_tokens * 4, seed)
+    return chain_bytes(data, block_tokens * 4, seed, remember)
 
 
 def _tokens(prompt: Prompt, bytes_per_token: float) -> int:
@@ -202,8 +202,9 @@ class PromptKey:
         """One hash chain per prompt for KV blocks of ``block_tokens`` tokens (computed once per size)."""
         got = self._chains.get(block_tokens)
         if got is None:
-            got = [chain_bytes(p, block_bytes(block_tokens, self.bytes_per_token), self.seed) if isinstance(p, bytes)
-                   else chain_tokens(p, block_tokens, self.seed) for p in self.prompts]
+            got = [chain_bytes(p, block_bytes(block_tokens, self.bytes_per_token), self.seed, remember=True)
+                   if isinstance(p, bytes) else chain_tokens(p, block_tokens, self.seed, remember=True)
+                   for p in self.prompts]
             self._chains[block_tokens] = got
         return got
 

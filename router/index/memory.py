@@ -10,12 +10,18 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict, deque
+from itertools import repeat, takewhile
 from typing import Collection, Sequence
 
 from . import CLEAR, PROVISIONAL_FLOOR, REMOVE, STORE, Match, Op, Probe, Receipt
 
 # Exact tier: block hash -> medium mask, or the expiry of a provisional entry (see router.index)
 Exact = dict[int, float]
+
+
+def _leading(blocks: "OrderedDict[int, int]", chain: Sequence[int]) -> int:
+    """How many of ``chain``'s first hashes ``blocks`` holds, up to the first it does not (a loop in C)."""
+    return len(list(takewhile(blocks.__contains__, chain)))
 
 
 class MemoryIndex:
@@ -130,13 +136,8 @@ class MemoryIndex:
                 out[r] = self._probe_exact(self._exact.get((model, r)), chain)
                 continue
             blocks = lru.get((model, r))
-            n = 0
-            if blocks:
-                for h in chain:  # stops at the first miss: work grows with the match, not the prompt
-                    if h not in blocks:
-                        break
-                    n += 1
-                out[r] = Match(n, len(blocks))
+            if blocks:  # stops at the first miss: work grows with the match, not the prompt
+                out[r] = Match(_leading(blocks, chain), len(blocks))
             else:
                 out[r] = Match(0, 0)
         return Probe(out)
@@ -165,16 +166,11 @@ class MemoryIndex:
         blocks = self._lru.get((model, replica))
         if blocks is None:
             blocks = self._lru[(model, replica)] = OrderedDict()
-        kept = 0
-        for h in chain:
-            if h not in blocks:
-                break
-            kept += 1
+        kept = _leading(blocks, chain)
         self._stamp += 1
         stamp = self._stamp
-        for h in reversed(chain):  # the root ends up most recently used
-            blocks[h] = stamp
-            blocks.move_to_end(h)
+        blocks.update(zip(reversed(chain), repeat(stamp)))
+        deque(map(blocks.move_to_end, reversed(chain)), maxlen=0)  # the root ends up most recently used
         self._held(model, replica, chain[kept:])
         if len(blocks) > capacity:
             evicted = []

@@ -104,9 +104,9 @@ def _block_by_block(data: bytes, block: int, seed: int) -> list[int]:
 def test_long_prompts_hashed_run_by_run_equal_block_by_block(data, block, cut):
     """Runs of blocks named before give their hashes at once: the same hashes, first time or again, whole or cut."""
     for _ in range(2):
-        assert chain_bytes(data, block, SEED) == _block_by_block(data, block, SEED)
-    assert chain_bytes(data[:cut], block, SEED) == _block_by_block(data[:cut], block, SEED)
-    assert chain_bytes(data, block, SEED + 1) == _block_by_block(data, block, SEED + 1)
+        assert chain_bytes(data, block, SEED, remember=True) == _block_by_block(data, block, SEED)
+    assert chain_bytes(data[:cut], block, SEED, remember=True) == _block_by_block(data[:cut], block, SEED)
+    assert chain_bytes(data, block, SEED + 1, remember=True) == _block_by_block(data, block, SEED + 1)
 
 
 def test_the_runs_kept_are_bounded(monkeypatch):
@@ -114,8 +114,16 @@ def test_the_runs_kept_are_bounded(monkeypatch):
     from router import prefix
     monkeypatch.setattr(prefix, "_RUNS_KEPT", 10)
     for _ in range(30):
-        chain_bytes(os.urandom(8192), 16, SEED)
+        chain_bytes(os.urandom(8192), 16, SEED, remember=True)
     assert len(prefix._runs) <= 10
+
+
+def test_chains_not_to_be_remembered_keep_nothing():
+    import os
+    from router import prefix
+    prefix._runs.clear()
+    chain_bytes(os.urandom(8192), 16, SEED)
+    assert prefix._runs == {}
 
 
 @given(ids=st.lists(st.integers(0, 2**32 - 1), max_size=2000))
