@@ -179,6 +179,8 @@ class Incremental:
             # first one dropped (at the end of the text too: the kept text may have gone on differently)
             j = bisect_left(starts, max(0, pos - MARGIN_CHARS))
             j0 = max(0, j - OVERLAP)
+            if j0 < len(ids):  # from the first token that starts there (a word's tokens share their word's start)
+                j0 = bisect_left(starts, starts[j0], 0, j0)
             at = starts[j0] if j0 < len(ids) else (pos if ids else 0)
             stop = min(end, at + WINDOW_CHARS)
             if stop <= pos < end:

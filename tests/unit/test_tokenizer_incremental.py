@@ -46,6 +46,18 @@ def test_a_growing_conversation_encodes_only_each_new_turn(tok):
     assert sum(fresh_per_turn) < 2 * total, fresh_per_turn
 
 
+def test_words_of_several_tokens_join_where_an_earlier_text_left_off(tmp_path):
+    """Where a word's tokens share its start, encoding again begins at the word's first token: every turn joins."""
+    from loadtest.load import SYLLABLES
+    tok = LocalTokenizer(tiny_model.write_tokenizer(tmp_path / "tiny"))
+    rng = random.Random(3)
+    history = ""
+    for turn in range(8):
+        history += "<|user|>\n" + " ".join(rng.choice(SYLLABLES) for _ in range(600)) + "</s>\n<|assistant|>\n"
+        assert tok.encode(history, add_special_tokens=False) == whole(tok, history, special=False)
+    assert stats(tok)["not_joined"] == 0 and stats(tok)["reused_tokens"] > 0
+
+
 def test_a_new_text_that_parts_from_a_known_one_inside_a_word_equals_the_whole_encode(tok):
     base = words(2000, seed=1)
     cut = incremental.BLOCK_CHARS * 5
