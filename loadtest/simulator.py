@@ -705,8 +705,8 @@ class VLLMSimulator:
         else one id per --bytes-per-token bytes of the text."""
         if self.tokenizer is not None:
             prompts, _ = prompts_of("/v1/chat/completions" if chat else "/v1/completions", req, self.tokenizer)
-            if prompts and isinstance(prompts[0], list) and prompts[0]:
-                return prompts[0]
+            if prompts and not isinstance(prompts[0], bytes) and prompts[0]:  # token ids: a list, or an array
+                return list(prompts[0])
         return byte_token_ids(prompt_text(req, chat).encode(), self.bytes_per_token)
 
     # -- metadata ----------------------------------------------------------------------------

@@ -196,14 +196,15 @@ def test_the_stand_in_with_an_engine_makes_requests_past_max_num_seqs_wait_for_a
     assert ttft[4] - ttft[1] > 0.15, ttft
 
 
-def test_a_router_predicts_an_engine_replicas_cache_exactly_from_its_events(cluster, tmp_path):
+@pytest.mark.parametrize("repeats", [12, 100])  # 100: a prompt long enough to be encoded from where one left off
+def test_a_router_predicts_an_engine_replicas_cache_exactly_from_its_events(cluster, tmp_path, repeats):
     from loadtest.tiny_model import write_tokenizer
     root = str(write_tokenizer(tmp_path / "tiny"))
     sims = [cluster.sim("--engine", "--root", root, "--block-size", "16", "--num-gpu-blocks", "128", "--kv-events")
             for _ in range(2)]
     rt = cluster.router(sims)
     wait_until(lambda: all(r["index"]["mode"] == "precise" for r in replicas_view(rt).values()), 10)
-    system = "alpha bravo charlie delta echo foxtrot golf hotel " * 12
+    system = "alpha bravo charlie delta echo foxtrot golf hotel " * repeats
     pairs = []
     with httpx.Client(timeout=30) as c:
         for i in range(12):

@@ -43,7 +43,7 @@ def test_token_ids_equal_vllms(tiny, name):
     case = CASES[name]
     prompts, inexact = prompts_of(case["path"], case["body"], tiny)
     assert inexact is None
-    assert prompts == case["vllm"]["ids"]
+    assert [list(p) for p in prompts] == case["vllm"]["ids"]  # ids of a long text come as an array
 
 
 def test_the_tiny_template_renders_plain_chats_as_before(tiny):

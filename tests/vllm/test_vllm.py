@@ -202,7 +202,7 @@ def test_every_corpus_request_is_keyed_with_the_ids_vllm_renders(replicas, home)
                 assert inexact == "invalid", case["name"]
                 continue
             checked += 1
-            if inexact is not None or ids != want["ids"]:
+            if inexact is not None or ids is None or [list(p) for p in ids] != want["ids"]:  # long texts: arrays
                 wrong.append(case["name"])
     print(f"{checked} requests keyed exactly as vLLM renders them, {refused} refused by vLLM, wrong: {wrong}")
     assert checked >= 200 and not wrong
