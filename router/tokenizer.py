@@ -133,15 +133,13 @@ class LocalTokenizer:
             ids = self._segments.encode(text, add_special_tokens)
             if ids is not None:
                 return ids
-        if self._words is not None and self._words_check.enabled and len(text) <= WINDOW_CHARS and \
-                (self._frame is not None or not add_special_tokens):
-            got = self._words.encode(text)
-            if got is not None:
-                ids = got[0]
+        if self._frame is not None or not add_special_tokens:
+            words = self._words_ids(text)
+            if words is not None:
                 if add_special_tokens:
                     assert self._frame is not None
-                    ids = self._frame[0] + ids + self._frame[1]
-                return self._words_check(text, add_special_tokens, ids)
+                    words = self._frame[0] + words + self._frame[1]
+                return self._words_check(text, add_special_tokens, words)
         return encode_whole(self._tok, text, add_special_tokens)
 
     def _word_window(self, text: str, at: int) -> tuple[list[int], list[int]] | None:
@@ -150,14 +148,18 @@ class LocalTokenizer:
             return None
         return self._words.encode(text, at)
 
+    def _words_ids(self, text: str) -> list[int] | None:
+        """``text``'s ids without special tokens added, word by word where that is on and the text not long (it holds
+        the interpreter); None where it must go to the tokenizer library."""
+        if self._words is None or not self._words_check.enabled or len(text) > WINDOW_CHARS:
+            return None
+        got = self._words.encode(text)
+        return None if got is None else got[0]
+
     def _plain(self, text: str) -> list[int]:
-        """``text`` without special tokens added: word by word where that is on and the text not long (it holds the
-        interpreter), else by the tokenizer library."""
-        if self._words is not None and self._words_check.enabled and len(text) <= WINDOW_CHARS:
-            got = self._words.encode(text)
-            if got is not None:
-                return got[0]
-        return encode_whole(self._tok, text, False)
+        """``text`` without special tokens added: word by word (:meth:`_words_ids`), else by the tokenizer library."""
+        ids = self._words_ids(text)
+        return ids if ids is not None else encode_whole(self._tok, text, False)
 
     def describe(self) -> dict[str, Any]:
         out = self._segments.describe() if self._segments is not None else {"segments": "off"}
