@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -197,6 +198,13 @@ class PrefixCache:
             self.publisher.cleared()
 
 
+@functools.lru_cache(maxsize=None)
+def shared_tokenizer(root: str) -> LocalTokenizer:
+    """One tokenizer per model folder for every replica this process hosts: 1,024 replicas of one model keep
+    one set of caches (and pass their encoder checks once), not 1,024."""
+    return LocalTokenizer(root)
+
+
 class VLLMSimulator:
     def __init__(self, model: str, ttft_ms: float = 20.0, itl_ms: float = 5.0, prefill_us_per_token: float = 0.0,
                  max_num_seqs: int = 256, block_size: int = 128, num_gpu_blocks: int = 16384,
@@ -209,7 +217,7 @@ class VLLMSimulator:
         self.root = root or f"/models/{model}"  # what /v1/models reports the model was loaded from
         # with the model's tokenizer in that folder, prompts are its token ids (as vLLM's); without, a
         # token is --bytes-per-token bytes of the prompt text
-        self.tokenizer = LocalTokenizer(root) if root and (Path(root) / "tokenizer.json").is_file() else None
+        self.tokenizer = shared_tokenizer(root) if root and (Path(root) / "tokenizer.json").is_file() else None
         self.ttft = ttft_ms / 1e3
         self.itl = itl_ms / 1e3
         self.prefill_per_token = prefill_us_per_token / 1e6
