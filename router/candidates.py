@@ -8,7 +8,8 @@ make a decision cost grow with the fleet (about 5 times more per request at 1,02
 - the replicas that hold its prefix, those of the longest first (``candidates.holders``), as the
   prefix index finds them without asking each replica;
 - the least loaded for their capacity (``candidates.least_loaded``), from a ranking of the ready
-  replicas made again when it is ``candidates.ranking_s`` old, not per request;
+  replicas made again when it is ``candidates.ranking_s`` old, not per request (and less often where
+  making one at that pace would take more than ``candidates.ranking_cpu`` of a core);
 - a few drawn at random (``candidates.sampled``), so that a stale ranking cannot send a burst to
   one replica;
 - the replica that served the request's session last, and the one its conversation waits at.
@@ -21,6 +22,7 @@ every replica weighed too.
 
 from __future__ import annotations
 
+import heapq
 import random
 import time
 from typing import Iterable, Sequence
@@ -32,23 +34,24 @@ from .view import ReplicaView
 
 
 class Ranking:
-    """The ready, undrained replicas of each model, least loaded for their capacity first."""
+    """The ready, undrained replicas of each model, and the ``head`` least loaded for their capacity of them."""
 
-    __slots__ = ("made_at", "by_model", "blocks")
+    __slots__ = ("made_at", "names", "least", "blocks")
 
-    def __init__(self, views: Iterable[ReplicaView]) -> None:
+    def __init__(self, standings: Iterable[tuple[float, int, str, frozenset[str], int]], head: int) -> None:
         self.made_at = time.monotonic()
-        by_model: dict[str, list[tuple[float, int, str]]] = {}
-        blocks: dict[str, set[int]] = {}
-        for v in views:
-            if not v.ready or v.drained:
-                continue
-            entry = (v.load / v.capacity, v.pending_prefill, v.name)
-            for m in v.models:
+        by_model: dict[str, list[tuple[float, int, str, frozenset[str], int]]] = {}
+        for entry in standings:
+            for m in entry[3]:
                 by_model.setdefault(m, []).append(entry)
-                blocks.setdefault(m, set()).add(v.block_size)
-        self.by_model = {m: [name for _, _, name in sorted(entries)] for m, entries in by_model.items()}
-        self.blocks = {m: sorted(sizes) for m, sizes in blocks.items()}
+        # every ready replica, in the pool's order (for counting and drawing at random); the least loaded sorted
+        self.names = {m: [e[2] for e in entries] for m, entries in by_model.items()}
+        self.least = {m: [e[2] for e in heapq.nsmallest(head, entries, key=_load_key)] for m, entries in by_model.items()}
+        self.blocks = {m: sorted({e[4] for e in entries}) for m, entries in by_model.items()}
+
+
+def _load_key(entry: tuple[float, int, str, frozenset[str], int]) -> tuple[float, int, str]:
+    return entry[0], entry[1], entry[2]
 
 
 class Candidates:
@@ -59,17 +62,26 @@ class Candidates:
         self.index = index
         self._rng = rng or random.Random()
         self._ranking: Ranking | None = None
+        self._next_at = 0.0  # when the ranking is made again
 
     def _current(self) -> Ranking:
-        """The ranking, made again once it is ``ranking_s`` old."""
+        """The ranking, made again once it is ``ranking_s`` old, or less often where making one takes more than
+        ``ranking_cpu`` of a core at that pace (each ranking reads every replica; a decision does not)."""
         r = self._ranking
-        if r is None or time.monotonic() - r.made_at >= self.cfg.ranking_s:
-            r = self._ranking = Ranking(self.pool.views())
+        if r is None or time.monotonic() >= self._next_at:
+            cpu = time.thread_time()
+            r = self._ranking = Ranking(self.pool.standings(), self.cfg.least_loaded)
+            cost = time.thread_time() - cpu
+            self._next_at = r.made_at + max(self.cfg.ranking_s, cost / self.cfg.ranking_cpu)
         return r
 
-    def ranked(self, model: str) -> list[str]:
-        """The ready, undrained replicas serving ``model``, least loaded first (at most ``ranking_s`` old)."""
-        return self._current().by_model.get(model, [])
+    def eligible(self, model: str) -> list[str]:
+        """The ready, undrained replicas serving ``model`` (at most ``ranking_s`` old)."""
+        return self._current().names.get(model, [])
+
+    def least_loaded(self, model: str) -> list[str]:
+        """The ``least_loaded`` of :meth:`eligible` with the least load for their capacity, least first."""
+        return self._current().least.get(model, [])
 
     def block_sizes(self, model: str) -> list[int]:
         """The KV block sizes of the ready replicas serving ``model`` (one on most fleets)."""
@@ -77,16 +89,16 @@ class Candidates:
 
     def is_large(self, model: str) -> bool:
         """Whether decisions for ``model`` weigh a few replicas rather than all of them."""
-        return len(self.ranked(model)) > self.cfg.scan_up_to
+        return len(self.eligible(model)) > self.cfg.scan_up_to
 
     async def select(self, model: str, chains: Sequence[Sequence[int]], also: Iterable[str | None] = ()
                      ) -> list[ReplicaView] | None:
         """The views of the replicas to weigh for a prompt of ``model`` whose hash chains (one per block size in
         use) are ``chains``, or None: weigh every replica. ``also`` names replicas weighed whatever else holds
         (its session's, its conversation's)."""
-        ranked = self.ranked(model)
+        eligible = self.eligible(model)
         cfg = self.cfg
-        if len(ranked) <= cfg.scan_up_to:
+        if len(eligible) <= cfg.scan_up_to:
             return None
         names: dict[str, None] = {}
         if self.index is not None and cfg.holders:
@@ -97,9 +109,9 @@ class Candidates:
                 if found is None:
                     return None
                 names.update(dict.fromkeys(found))
-        names.update(dict.fromkeys(ranked[:cfg.least_loaded]))
+        names.update(dict.fromkeys(self.least_loaded(model)))
         if cfg.sampled:
-            names.update(dict.fromkeys(self._rng.sample(ranked, min(cfg.sampled, len(ranked)))))
+            names.update(dict.fromkeys(self._rng.sample(eligible, min(cfg.sampled, len(eligible)))))
         for name in also:
             if name is not None:
                 names[name] = None

@@ -19,12 +19,12 @@ class HealthConfig(_Model):
     fail_threshold: int = Field(2, ge=1, description="consecutive failed checks that make a ready replica unready")
     rise_threshold: int = Field(2, ge=1, description="consecutive good checks that bring an ejected replica back")
     metrics_interval_s: float = Field(1.0, gt=0, description="seconds between scrapes of a replica's /metrics")
-    max_requests_per_s: float = Field(100.0, gt=0, description="health-check and /metrics requests this router sends "
+    max_requests_per_s: float = Field(80.0, gt=0, description="health-check and /metrics requests this router sends "
                                       "per second over the whole fleet, at most: a fleet that would need more at "
                                       "interval_s and metrics_interval_s (3 per replica per second at the defaults) "
-                                      "is checked less often, every replica alike (1,024 replicas: every 22 s; "
+                                      "is checked less often, every replica alike (1,024 replicas: every 28 s; "
                                       "past the budget /v1/models is read with every 5th check only); each costs "
-                                      "the router about 0.4 ms of CPU")
+                                      "the router about 0.5 ms of CPU (80 a second: 4% of a core)")
     eject_after: int = Field(5, ge=1, description="requests in a row that fail on a replica (no answer, 5xx, a broken "
                              "or silent stream) take it out of rotation, however its /health answers")
     eject_s: float = Field(30.0, gt=0, description="how long such a replica stays out; doubled each time it is taken "
@@ -137,6 +137,8 @@ class CandidatesConfig(_Model):
     sampled: int = Field(4, ge=0, description="on a large fleet: replicas weighed that are drawn at random")
     ranking_s: float = Field(0.05, gt=0, le=10, description="seconds a ranking of the replicas by load is used "
                              "before it is made again (each decision still reads the live load of those it weighs)")
+    ranking_cpu: float = Field(0.01, gt=0, le=1, description="share of a core the rankings may take: where making "
+                               "one every ranking_s would take more (a fleet of thousands), it is made less often")
 
 
 class CacheAwareConfig(_Model):

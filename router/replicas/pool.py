@@ -159,6 +159,27 @@ class ReplicaPool:
             out.append(v if o == (0, 0) else with_others(v, *o))
         return out
 
+    def standings(self) -> list[tuple[float, int, str, frozenset[str], int]]:
+        """(load for its capacity, pending prefill tokens, name, models, KV block size) of every ready, undrained
+        replica: the figures :meth:`views` gives a ranking by load, read without building a view per replica."""
+        load_of = self.load.load_of
+        others = self.shared.others if self.shared is not None else None
+        out = []
+        for r in self.replicas.values():
+            v = r.view
+            if not v.ready:
+                continue
+            drained, inflight, pending = load_of(v.name)
+            if drained:
+                continue
+            load = inflight + v.external_load
+            if others is not None:
+                o_inflight, o_pending = others(v.name)
+                load += o_inflight
+                pending += o_pending
+            out.append((load / v.capacity, pending, v.name, v.models, v.block_size))
+        return out
+
     def view_of(self, name: str) -> ReplicaView | None:
         found = self.views((name,))
         return found[0] if found else None

@@ -3,6 +3,7 @@ random, not every replica, and it places prompts as a decision among all of them
 
 import collections
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -92,11 +93,36 @@ def pool_of(n, **health):
 
 
 def test_a_fleet_within_the_control_budget_is_checked_at_the_configured_intervals():
-    assert pool_of(30).control.spacing() == 1.0  # 30 x 3 requests a second, within 100
+    assert pool_of(24).control.spacing() == 1.0  # 24 x 3 requests a second, within 80
 
 
 def test_a_larger_fleet_is_checked_less_often_so_the_router_sends_at_most_its_budget():
     pool = pool_of(1024)
     rate = len(pool.replicas) * (1.2 / pool.health.config.interval_s + 1.0 / pool.health.config.metrics_interval_s)
-    assert rate / pool.control.spacing() == pytest.approx(100.0)  # health checks (a fifth of them with /v1/models) and scrapes
+    assert rate / pool.control.spacing() == pytest.approx(80.0)  # health checks (a fifth of them with /v1/models) and scrapes
     assert pool_of(1024, max_requests_per_s=1000).control.spacing() < pool.control.spacing()
+
+
+def rankings_made(monkeypatch, ranking_cpu, seconds=0.3, n=256):
+    """How many rankings a large fleet's candidates make while asked for them for ``seconds`` (ranking_s 0.01)."""
+    from router.candidates import Candidates
+    from router.config import CandidatesConfig
+    pool = pool_of(n)
+    made = []
+    standings = pool.standings
+    monkeypatch.setattr(pool, "standings", lambda: made.append(1) or standings())
+    candidates = Candidates(pool, CandidatesConfig(ranking_s=0.01, ranking_cpu=ranking_cpu))
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        candidates.eligible("tiny")
+        time.sleep(0.002)
+    return len(made)
+
+
+def test_a_ranking_is_made_again_once_it_is_ranking_s_old(monkeypatch):
+    assert 10 <= rankings_made(monkeypatch, ranking_cpu=1.0) <= 31  # 0.3 s / 0.01 s
+
+
+def test_a_ranking_that_would_take_more_than_its_share_of_a_core_is_made_less_often(monkeypatch):
+    # a ranking of 256 replicas takes well over 1 µs: at most a millionth of a core leaves one ranking in 0.3 s
+    assert rankings_made(monkeypatch, ranking_cpu=1e-6) == 1
