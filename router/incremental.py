@@ -40,6 +40,7 @@ OVERLAP = 8  # tokens both encodes must agree on where they join
 WINDOW_CHARS = 8192  # characters encoded per step (building ~2,000 ids and offsets holds the interpreter ~1 ms)
 CACHE_TOKENS = 2_000_000  # token ids kept per tokenizer (8 bytes each with their places; ~18 MB in all when full)
 _VERIFY_FIRST = 32  # encodes checked against the whole-text encode before trusting a reusing encoder ...
+_VERIFY_FIRST_CHARS = 160_000  # ... or fewer, once this many characters were checked (four 12,000-token texts) ...
 _VERIFY_EVERY = 256  # ... and one in this many after
 _VERIFY_MAX_CHARS = 262_144  # the first encodes checked are those up to this long (a check holds the interpreter)
 _RELEASE_CHARS = 2048  # texts from this long are encoded where other threads can run beside
@@ -57,7 +58,8 @@ def encode_whole(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
 
 
 class WholeCheck:
-    """Checks a reusing encoder's ids against encoding the whole text: its first encodes, then one in 256.
+    """Checks a reusing encoder's ids against encoding the whole text: its first 32 encodes (fewer where they
+    reach 160,000 characters: a check of a long text costs what encoding it whole does), then one in 256.
 
     One difference turns the encoder off (``enabled``) with a warning naming what it did (``doing``), and
     that text's whole ids are used.
@@ -68,11 +70,15 @@ class WholeCheck:
         self._lock = threading.Lock()
         self.enabled = True
         self.encodes = self.checked = 0
+        self._first_chars = 0  # characters of the first encodes checked
 
     def __call__(self, text: str, add_special_tokens: bool, ids: Ids) -> Ids:
         with self._lock:
             self.encodes += 1
-            first = self.encodes <= _VERIFY_FIRST and (self._first_max is None or len(text) <= self._first_max)
+            first = (self.encodes <= _VERIFY_FIRST and self._first_chars < _VERIFY_FIRST_CHARS
+                     and (self._first_max is None or len(text) <= self._first_max))
+            if first:
+                self._first_chars += len(text)
             due = first or self.encodes % _VERIFY_EVERY == 0
         if not due:
             return ids

@@ -99,3 +99,19 @@ def test_kept_ids_stay_within_their_bound(tok, monkeypatch):
     for seed in range(10, 20):
         tok.encode(words(3000, seed=seed), add_special_tokens=True)
     assert stats(tok)["kept_tokens"] <= 5000
+
+
+def test_the_first_checks_against_a_whole_encode_stop_once_they_covered_160000_characters(tok):
+    check = incremental.WholeCheck(tok._tok, "tiny", "testing")
+    texts = [words(12_000, seed) for seed in range(5)]  # ~70,000 characters each
+    for text in texts:
+        check(text, False, whole(tok, text, False))
+    assert check.encodes == 5 and check.checked == 3  # 0, 70k, 140k characters checked before each of the three
+
+
+def test_short_texts_are_checked_for_their_first_32_encodes(tok):
+    check = incremental.WholeCheck(tok._tok, "tiny", "testing")
+    for seed in range(40):
+        text = words(50, seed)
+        check(text, False, whole(tok, text, False))
+    assert check.checked == 32
