@@ -24,7 +24,7 @@ import hashlib
 import mmap
 import multiprocessing
 import secrets
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .metrics import Metrics
 
@@ -91,6 +91,7 @@ class LoadTable:
         self._drained: dict[str, int] = {}
         self._m_inflight: dict[str, Any] = {}
         self._touched: set[str] = set()  # replicas whose figures in this worker's row changed (shared load)
+        self._on_change: Callable[[], None] | None = None  # told when _touched stops being empty
         for n in names:
             self.add(n)
 
@@ -118,7 +119,7 @@ class LoadTable:
         idle = self.inflight(name) == 0
         self.names.remove(name)
         del self._by_column[col], self._own[name], self._rows[name], self._drained[name], self._m_inflight[name]
-        self._touched.add(name)
+        self._touch(name)
         if idle:
             self._locked(lambda: self._free(col))
 
@@ -194,7 +195,7 @@ class LoadTable:
             finally:
                 self._lock.release()
         self._m_inflight[name].inc()
-        self._touched.add(name)
+        self._touch(name)
         return True
 
     def release(self, name: str) -> None:
@@ -203,7 +204,7 @@ class LoadTable:
             return
         self._cells[i] -= 1
         self._m_inflight[name].dec()
-        self._touched.add(name)
+        self._touch(name)
 
     # -- pending prefill ---------------------------------------------------------------------
 
@@ -211,7 +212,7 @@ class LoadTable:
         i = self._own.get(name)
         if i is not None:
             self._cells[i + _PENDING] += tokens
-            self._touched.add(name)
+            self._touch(name)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -222,6 +223,16 @@ class LoadTable:
         """(in-flight requests, pending prefill tokens) of ``name`` in this worker's row alone."""
         i = self._own[name]
         return self._cells[i], self._cells[i + _PENDING]
+
+    def _touch(self, name: str) -> None:
+        if not self._touched and self._on_change is not None:
+            self._on_change()
+        self._touched.add(name)
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (in the event loop, without blocking) when a figure of this worker's row changes
+        after :meth:`take_touched` took the changes: once per batch, not per change."""
+        self._on_change = callback
 
     def take_touched(self) -> set[str]:
         """The replicas whose figures in this worker's row changed since the last call."""

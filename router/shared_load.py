@@ -4,8 +4,9 @@ routers on the same Redis have on each replica.
 Without it, each of N routers in front of one fleet sees its own requests at once and the others' only
 through the replicas' ``/metrics``, a scrape interval late (a second, or more on a large fleet): N routers
 that each see about 1/N of the load pile placements onto the same replicas. With a Redis index (and
-``shared_load.enabled``, the default) every router publishes its own figures every
-``shared_load.interval_s`` (100 ms) and reads the others' in the same round trip.
+``shared_load.enabled``, the default) every router publishes its own figures as they change (a request
+placed or finished, at most every ``shared_load.min_interval_s``, 10 ms) and every ``shared_load.interval_s``
+(100 ms) else, and reads the others' in the same round trip.
 
 Keys (one hash tag, so one slot in Redis Cluster): ``NS:{NS:load}:routers``, a sorted set of router ids
 scored by the time (ms) their figures expire, and ``NS:{NS:load}:r:ID``, a hash of replica name ->
@@ -82,6 +83,8 @@ class SharedLoad:
         self._resend = True  # after a failed tick (or at start): publish every figure, not just changes
         self._down = False
         self._background = Background()
+        self._changed = asyncio.Event()  # this router's figures changed since the last publication
+        load.on_change(self._changed.set)
 
     def others(self, replica: str) -> Figures:
         """The other routers' requests in flight and pending prefill tokens on ``replica``."""
@@ -117,13 +120,26 @@ class SharedLoad:
                                 "last read, for at most %g s", e.__class__.__name__, self.cfg.ttl_s)
                 if self._others and time.monotonic() - self._others_at > self.cfg.ttl_s:
                     self._others = {}
-            await asyncio.sleep(self.cfg.interval_s)
+            await self._pause()
+
+    async def _pause(self) -> None:
+        """Until the next round: ``interval_s``, or ``min_interval_s`` where this router's figures changed (a
+        request placed or finished is published at once, so the others do not place onto it unawares)."""
+        cfg = self.cfg
+        await asyncio.sleep(cfg.min_interval_s)
+        if not self._changed.is_set():
+            try:
+                async with asyncio.timeout(max(0.0, cfg.interval_s - cfg.min_interval_s)):
+                    await self._changed.wait()
+            except TimeoutError:
+                pass
+        self._changed.clear()
 
     async def tick(self) -> None:
         """One round trip: this router's changed figures out, the others' in."""
         load = self.load
         if self._resend:
-            names = set(load.names) | set(self._published)
+            names = set(load.names) | set(self._published) | load.take_touched()
         else:
             names = load.take_touched()
         sets: list[Any] = []

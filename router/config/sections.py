@@ -119,7 +119,11 @@ class SharedLoadConfig(_Model):
                           "pending prefill per replica there, and weighs the other routers' as its own (see Large "
                           "fleets); false: the others' load is seen only through the replicas' /metrics")
     interval_s: float = Field(0.1, gt=0, le=10, description="seconds between a router's publications (and reads "
-                              "of the others' figures): how stale the picture of the other routers' load may be")
+                              "of the others' figures) while its own figures do not change: how stale the picture "
+                              "of the other routers' load may be")
+    min_interval_s: float = Field(0.01, ge=0, le=10, description="a change of this router's figures (a request "
+                                  "placed or finished) is published this soon after the last publication, not an "
+                                  "interval_s later, so that the others do not place onto it unawares")
     ttl_s: float = Field(3.0, gt=0, le=600, description="a router's figures expire this long after its last "
                          "publication: a router that stops leaves no phantom load for longer")
 

@@ -44,6 +44,18 @@ def test_a_router_sees_the_requests_another_router_has_in_flight(cluster, shared
     wait_until(lambda: sum(others(b).values()) == 0, timeout=3)
 
 
+def test_a_router_publishes_a_request_it_placed_at_once_not_an_interval_later(cluster, shared_url):
+    sims = [cluster.sim(*SLOW) for _ in range(2)]
+    a = cluster.router(sims, "--index", shared_url, "--set", "shared_load.interval_s=10")
+    b = cluster.router(sims, "--index", shared_url)
+    time.sleep(0.5)  # A's first round is behind it: its next is 10 s away unless its figures change
+    threads = hold(a, 2)
+    took = wait_until(lambda: sum(others(b).values()) == 2, timeout=3)
+    assert took < 0.5
+    for t in threads:
+        t.join()
+
+
 def test_a_router_places_requests_away_from_another_routers_load(cluster, shared_url):
     sims = [cluster.sim(*SLOW) for _ in range(2)]
     a = cluster.router([sims[0]], "--index", shared_url)  # A sends everything to the first
