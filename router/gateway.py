@@ -63,7 +63,8 @@ class Gateway:
         self.shared_load: SharedLoad | None = None
         if self.store is not None and config.shared_load.enabled:
             self.shared_load = SharedLoad(self.store, self.load, config.shared_load,
-                                          share.host_id if share is not None else new_host_id(), worker)
+                                          share.host_id if share is not None else new_host_id(), worker,
+                                          read_timeout_s=config.index.timeout_s)
         self.instance = hops.instance_id()
         self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.load, self.events,
                                 default_blocks=config.index.default_blocks, shared=self.shared_load,
@@ -93,7 +94,8 @@ class Gateway:
                                conversations=conversations,
                                candidates=Candidates(self.pool, config.candidates, index) if index else None,
                                responses=ResponseHomes(build_sessions(config.index, config.sessions, self.metrics,
-                                                                      share, self.load, self.store)))
+                                                                      share, self.load, self.store)),
+                               shared_load=self.shared_load)
         # the other routers hear what this one answered and continued (router.shared_conversations)
         self.shared_conversations: SharedConversations | None = None
         if conversations is not None and self.shared_load is not None:

@@ -41,6 +41,7 @@ from .replicas import Replica, ReplicaPool
 from .request import RouteRequest
 from .responses import ResponseHomes
 from .sessions import Sessions
+from .shared_load import SharedLoad
 from .view import ReplicaView
 
 log = logging.getLogger("kvroute.routing")
@@ -116,7 +117,7 @@ class Decider:
                  sessions: Sessions, metrics: Metrics, events: EventBus,
                  index: PrefixIndex | None = None, keys: PromptKeys | None = None,
                  conversations: Conversations | None = None, candidates: Candidates | None = None,
-                 responses: ResponseHomes | None = None) -> None:
+                 responses: ResponseHomes | None = None, shared_load: SharedLoad | None = None) -> None:
         self.pool = pool
         self.load = load
         self.policy = policy
@@ -128,6 +129,7 @@ class Decider:
         self.conversations = conversations
         self.candidates = candidates  # None: every decision weighs every replica
         self.responses = responses  # where each stored response lives (/v1/responses)
+        self.shared_load = shared_load  # the other routers' load, read again before a decision where stale
         self._m_lookup = metrics.index_lookup
         self._m_decision = metrics.decision
         self._background = Background()
@@ -188,8 +190,10 @@ class Decider:
 
     async def prepare(self, req: RouteRequest) -> None:
         """Once per request: session, prompt key, the predicted cached tokens and the requests expected back
-        per replica."""
+        per replica (and, where it is older than ``shared_load.max_age_s``, the other routers' load)."""
         req.prepared = True
+        shared = self.shared_load  # the other routers' placements until now, read beside the lookups
+        fresh = asyncio.ensure_future(shared.refresh()) if shared is not None and shared.stale() else None
         if req.session_id is not None:
             req.session_replica = await self.sessions.get(req.session_id)
         if self.keys is not None and req.payload is not None and req.model is not None:
@@ -197,6 +201,8 @@ class Decider:
         req.payload = None
         if req.key is not None and self.index is not None:
             await self._lookup(req)
+        if fresh is not None:
+            await fresh
 
     async def _lookup(self, req: RouteRequest) -> None:
         """Fill ``req.cached`` and ``req.occupancy`` for the replicas its decision weighs (see

@@ -6,7 +6,8 @@ through the replicas' ``/metrics``, a scrape interval late (a second, or more on
 that each see about 1/N of the load pile placements onto the same replicas. With a Redis index (and
 ``shared_load.enabled``, the default) every router publishes its own figures as they change (a request
 placed or finished, at most every ``shared_load.min_interval_s``, 10 ms) and every ``shared_load.interval_s``
-(100 ms) else, and reads the others' in the same round trip.
+(100 ms) else, and reads the others' in the same round trip. A decision whose picture is older than
+``shared_load.max_age_s`` (20 ms) has it read again first, beside its prefix lookup.
 
 Keys (one hash tag, so one slot in Redis Cluster): ``NS:{NS:load}:routers``, a sorted set of router ids
 scored by the time (ms) their figures expire, and ``NS:{NS:load}:r:ID``, a hash of replica name ->
@@ -67,7 +68,8 @@ def new_host_id() -> str:
 class SharedLoad:
     """This router's share of the load picture: it publishes its figures and holds the others' sums."""
 
-    def __init__(self, store: Store, load: LoadTable, cfg: SharedLoadConfig, host_id: str, worker: int = 0) -> None:
+    def __init__(self, store: Store, load: LoadTable, cfg: SharedLoadConfig, host_id: str, worker: int = 0,
+                 read_timeout_s: float = 0.05) -> None:
         self.redis = redis = store.client
         self.load = load
         self.cfg = cfg
@@ -84,17 +86,49 @@ class SharedLoad:
         self._down = False
         self._background = Background()
         self._changed = asyncio.Event()  # this router's figures changed since the last publication
+        self._round: asyncio.Future[None] | None = None  # the round trip under way (one at a time)
+        self._read_timeout = read_timeout_s  # the longest a decision waits for a fresher picture
         load.on_change(self._changed.set)
 
     def others(self, replica: str) -> Figures:
         """The other routers' requests in flight and pending prefill tokens on ``replica``."""
         return self._others.get(replica, _NONE)
 
+    def stale(self) -> bool:
+        """Whether the others' figures are older than ``max_age_s`` (and Redis answered the last round)."""
+        return not self._down and time.monotonic() - self._others_at > self.cfg.max_age_s
+
+    async def refresh(self) -> None:
+        """Publish and read now where the picture is older than ``max_age_s``, waiting for it at most as long as a
+        prefix lookup may: a decision then sees what the others placed since (their placements are published at
+        once). Never raises: on a slow or failing Redis the decision goes on with the figures it has."""
+        if not self.stale():
+            return
+        try:
+            async with asyncio.timeout(self._read_timeout):
+                await self._one_round()
+        except Exception:
+            pass  # the loop logs Redis failures
+
+    async def _one_round(self) -> None:
+        """A round trip, shared with whoever asks while it is under way."""
+        if self._round is None:
+            self._round = asyncio.ensure_future(self.tick())
+            self._round.add_done_callback(self._round_done)
+        await asyncio.shield(self._round)
+
+    def _round_done(self, fut: "asyncio.Future[None]") -> None:
+        self._round = None
+        if not fut.cancelled():
+            fut.exception()  # retrieved here; the caller that awaited it has seen it
+
     async def start(self) -> None:
         self._background.spawn(self._loop())
 
     async def close(self) -> None:
         await self._background.close()
+        if self._round is not None:
+            self._round.cancel()
         try:  # leave the picture at once rather than at expiry
             async with asyncio.timeout(1.0):
                 await self.redis.execute("ZREM", self._routers, self.id)
@@ -106,7 +140,7 @@ class SharedLoad:
         while True:
             try:
                 async with asyncio.timeout(max(1.0, self.cfg.interval_s * 5)):
-                    await self.tick()
+                    await self._one_round()
                 if self._down:
                     self._down = False
                     log.info("shared load: Redis answers again; the other routers' load is read again")

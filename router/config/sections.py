@@ -124,6 +124,9 @@ class SharedLoadConfig(_Model):
     min_interval_s: float = Field(0.01, ge=0, le=10, description="a change of this router's figures (a request "
                                   "placed or finished) is published this soon after the last publication, not an "
                                   "interval_s later, so that the others do not place onto it unawares")
+    max_age_s: float = Field(0.02, ge=0, le=10, description="a decision first reads the other routers' figures "
+                             "again where they are older than this (beside its prefix lookup, waiting at most "
+                             "index.timeout_s), so it sees what they placed since")
     ttl_s: float = Field(3.0, gt=0, le=600, description="a router's figures expire this long after its last "
                          "publication: a router that stops leaves no phantom load for longer")
 

@@ -70,6 +70,22 @@ def test_a_router_places_requests_away_from_another_routers_load(cluster, shared
         t.join()
 
 
+def test_a_decision_reads_the_other_routers_load_again_where_its_picture_is_stale(cluster, shared_url):
+    sims = [cluster.sim(*SLOW) for _ in range(2)]
+    a = cluster.router([sims[0]], "--index", shared_url)  # A sends everything to the first
+    b = cluster.router(sims, "--index", shared_url, "--policy", "least-loaded", "--set", "shared_load.interval_s=10")
+    time.sleep(0.5)  # B's first round is behind it: its next is 10 s away, and B itself places nothing
+    threads = hold(a, 6)
+    wait_until(lambda: sum(r["inflight"] for r in replicas_view(a).values()) == 6, timeout=3)
+    time.sleep(0.1)  # A has published them
+    placed = [HTTP.post(b.url + "/admin/explain/v1/completions",
+                        json={"model": "tiny", "prompt": "new", "max_tokens": 1}, timeout=5).json()["best"]
+              for _ in range(3)]
+    assert placed == [[sims[1].url.removeprefix("http://")]] * 3
+    for t in threads:
+        t.join()
+
+
 def test_without_the_shared_picture_another_routers_requests_are_not_seen_at_once(cluster, shared_url):
     sims = [cluster.sim(*SLOW) for _ in range(2)]
     a = cluster.router(sims, "--index", shared_url)
