@@ -92,6 +92,8 @@ class Counters:
     generation_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    health_checks: int = 0  # GET /health answered
+    scrapes: int = 0  # GET /metrics answered
     last_headers: dict[str, str] = field(default_factory=dict)
     last_body: dict[str, Any] = field(default_factory=dict)  # the last generation request, as parsed
 
@@ -264,8 +266,10 @@ class VLLMSimulator:
         method, path = scope["method"], scope["path"]
         if method == "GET":
             if path == "/health":
+                self.c.health_checks += 1
                 return await _respond(send, self.faults.health_status, b"", [])
             if path == "/metrics":
+                self.c.scrapes += 1
                 return await _respond(send, 200, self.render_metrics().encode(),
                                       [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
             if path == "/version":

@@ -44,6 +44,7 @@ def add_admin_routes(app: FastAPI, gw: Gateway, endpoints: dict[str, ProxyEndpoi
             "prompt_keys": gw.decider.keys.describe() if gw.decider.keys is not None else None,
             "queue_length": gw.admission.queue_length,
             "conversations": gw.decider.conversations.describe() if gw.decider.conversations is not None else None,
+            "health_checks": gw.pool.describe_checks(),
             "replicas": [_describe(r) for r in gw.pool],
         })
 

@@ -60,15 +60,16 @@ class Gateway:
         self.store = Store(config.index.backend, config.index.namespace, config.index.background_timeout_s) \
             if config.index.backend != "memory" else None
         # the routers on it share one load picture (router.shared_load)
+        host_id = share.host_id if share is not None else new_host_id()
         self.shared_load: SharedLoad | None = None
         if self.store is not None and config.shared_load.enabled:
-            self.shared_load = SharedLoad(self.store, self.load, config.shared_load,
-                                          share.host_id if share is not None else new_host_id(), worker,
+            self.shared_load = SharedLoad(self.store, self.load, config.shared_load, host_id, worker,
                                           read_timeout_s=config.index.timeout_s)
         self.instance = hops.instance_id()
+        # ... and the health checks of the replicas (router.replicas.shared_health)
         self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.load, self.events,
                                 default_blocks=config.index.default_blocks, shared=self.shared_load,
-                                instance=self.instance)
+                                instance=self.instance, store=self.store, router_id=f"{host_id}.{worker}")
         index: TieredIndex | None = None
         keys: PromptKeys | None = None
         self.feed: EventFeed | None = None

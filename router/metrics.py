@@ -75,6 +75,12 @@ class Metrics:
         self.replica_draining = Gauge(
             "kvroute_replica_draining", "1 if the replica is drained by an operator.", ["replica"], registry=r,
             multiprocess_mode="livemostrecent")
+        self.health_routers = Gauge(
+            "kvroute_health_routers", "Routers sharing the health checks and scrapes through Redis (1: this "
+            "router checks every replica itself).", registry=r, multiprocess_mode="livemax")
+        self.health_owned = Gauge(
+            "kvroute_health_owned_replicas", "Replicas whose checks this router owns: it checks them at the "
+            "configured rates and the others take its verdicts.", registry=r, multiprocess_mode="livesum")
         self.replica_ejections = Counter(
             "kvroute_replica_ejections", "Times a replica was taken out of rotation for failing requests in a row "
             "(health.eject_after).", ["replica"], registry=r)

@@ -35,6 +35,14 @@ class HealthConfig(_Model):
                            "to another replica (out within stall_s plus one metrics_interval_s; raise it where an "
                            "engine may compile for longer without counting a token, as Gaudi's lazy mode can on a "
                            "new shape)")
+    shared: bool = Field(True, description="with a Redis index: the routers on it share the checks. Each replica "
+                         "has one owner among them, which checks and scrapes it at the rates above and publishes "
+                         "its verdict; the others check it as many times less often as there are routers and "
+                         "take it out of rotation (and back) on the owner's word (see Large fleets)")
+    shared_interval_s: float = Field(1.0, gt=0, le=60, description="seconds between a router's rounds on the "
+                                     "shared checks: it says it takes part and reads the routers that do and the "
+                                     "verdicts that changed; a router silent for 3 of these loses its replicas to "
+                                     "the others")
     startup_timeout_s: float = Field(900.0, gt=0, description="a replica not yet ready this long after it was added "
                                      "is reported as failed to start; until then it is starting, not failing (Gaudi "
                                      "warm-ups take up to ~10 minutes)")

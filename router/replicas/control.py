@@ -6,6 +6,8 @@ one after the other on one kept-alive connection apart from the requests'. On a 
 than ``health.max_requests_per_s`` of them, every replica is checked less often (:meth:`Control.spacing`),
 and ``/v1/models`` is read with one check in :data:`MODELS_EVERY` only. With several worker processes each
 worker checks at ``workers`` times the interval, staggered, so a replica sees the configured rate in all.
+With routers sharing the checks (:mod:`.shared_health`) each replica's owner checks it at the configured
+rate and the others ``routers`` times less often; the budget counts that share of the fleet.
 
 An answer that carries this router's own instance id (:mod:`router.hops`) means the replica's URL reaches
 this router: such a replica is never routed to.
@@ -24,6 +26,7 @@ from ..load import LoadTable
 from ..upstream import ConnectFailed, UpstreamError, UpstreamPool, UpstreamResponse
 from .health import Health
 from .record import Replica
+from .shared_health import SharedHealth
 
 log = logging.getLogger("kvroute.pool")
 
@@ -69,8 +72,10 @@ class Control:
 
     def __init__(self, replicas: Mapping[str, Replica], config: HealthConfig, proxy: ProxyConfig, load: LoadTable,
                  health: Health, on_models: Callable[[Replica, bytes], None],
-                 scrape: Callable[[Replica], Awaitable[None]], instance: str | None) -> None:
+                 scrape: Callable[[Replica], Awaitable[None]], instance: str | None,
+                 shared: SharedHealth | None = None) -> None:
         self.replicas = replicas
+        self.shared = shared  # the checks shared with the other routers on one Redis
         self.config = config
         self.proxy = proxy
         self.load = load
@@ -144,17 +149,27 @@ class Control:
         /v1/models goes with every :data:`MODELS_EVERY` th check only (see :meth:`_models_due`)."""
         h = self.config
         per_replica = (1.0 + 1.0 / MODELS_EVERY) / h.interval_s + 1.0 / h.metrics_interval_s
-        return max(1.0, len(self.replicas) * per_replica / h.max_requests_per_s)
+        return max(1.0, self._checked_share() * per_replica / h.max_requests_per_s)
+
+    def _checked_share(self) -> float:
+        """How many replicas' worth of checks this router makes at the configured rates: the fleet, or with
+        shared checks the replicas it owns and a ``1/routers`` share of the others."""
+        return self.shared.share() if self.shared is not None else float(len(self.replicas))
 
     def _models_due(self, r: Replica) -> bool:
         """Whether this check of ``r`` also reads /v1/models: always on a fleet within the budget at the
         configured intervals, and for a replica not ready; else every :data:`MODELS_EVERY` th check."""
         h = self.config
-        full = len(self.replicas) * (2.0 / h.interval_s + 1.0 / h.metrics_interval_s)
+        full = self._checked_share() * (2.0 / h.interval_s + 1.0 / h.metrics_interval_s)
         return full <= h.max_requests_per_s or not r.ready or r.checks % MODELS_EVERY == 0
 
-    def _pause(self, interval: float) -> float:
-        """Seconds between one worker's checks (or scrapes) of one replica: the workers take turns."""
+    def _pause(self, interval: float, r: Replica) -> float:
+        """Seconds between this process's checks (or scrapes) of ``r``: the workers of a host take turns; with
+        shared checks, its owner checks it at the full rate and every other router ``routers`` times less
+        often."""
+        shared = self.shared
+        if shared is not None and shared.active:
+            return interval * self.spacing() * (1 if shared.owns(r) else shared.routers)
         return interval * self.load.workers * self.spacing()
 
     async def loop(self, r: Replica) -> None:
@@ -164,23 +179,24 @@ class Control:
         one burst ever after, then every pause; each pause follows the fleet's size at the time."""
         h = self.config
         loop = asyncio.get_running_loop()
-        offset = lambda interval: random.uniform(0.0, self._pause(interval)) + interval * self.load.worker  # noqa: E731
+        offset = lambda interval: random.uniform(0.0, self._pause(interval, r)) + interval * self.load.worker  # noqa: E731
         now = loop.time()
         next_check = next_scrape = now
         scraped = False
         while True:
             if now >= next_check:
-                try:
-                    await self.check(r)
-                except Exception:  # keep checking whatever happens
-                    log.exception("health check of %s crashed", r.name)
+                if self.shared is None or not self.shared.defers(r):
+                    try:
+                        await self.check(r)
+                    except Exception:  # keep checking whatever happens
+                        log.exception("health check of %s crashed", r.name)
                 if r.name not in self._checked:
                     self._checked.add(r.name)
                     if len(self._checked) >= len(self.replicas):
                         self.first_round.set()
                     next_check = now + offset(h.interval_s)
                 else:
-                    next_check = now + self._pause(h.interval_s)
+                    next_check = now + self._pause(h.interval_s, r)
             if now >= next_scrape:
                 if r.state != "unready":
                     try:
@@ -192,7 +208,7 @@ class Control:
                     # replicas keep idle connections (5 s in vLLM) opens one connection per round, not two
                     next_scrape = next_check
                 else:
-                    next_scrape = now + (self._pause(h.metrics_interval_s) if scraped else offset(h.metrics_interval_s))
+                    next_scrape = now + (self._pause(h.metrics_interval_s, r) if scraped else offset(h.metrics_interval_s))
                 scraped = True
             now = loop.time()
             await asyncio.sleep(max(0.0, min(next_check, next_scrape) - now))

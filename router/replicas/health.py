@@ -5,6 +5,8 @@
 - **ready** at its first good health check; **unready** after ``health.fail_threshold`` failed checks in a
   row (at once when the connection is refused).
 - **back** from unready after ``health.rise_threshold`` good checks in a row.
+- **unready on another router's word**: with shared checks (:mod:`.shared_health`) a replica whose checks
+  another router owns goes out when that router publishes it unready, and comes back when it publishes it ready.
 - **ejected** (unready for ``health.eject_s``, doubling when it happens again soon, whatever its ``/health``
   answers): after ``health.eject_after`` proxied requests in a row failed on it, or when it accepts requests
   and answers none for ``health.stall_s`` while its engine makes no progress (a stall).
@@ -61,14 +63,23 @@ class Health:
             return  # on its way back: last_error still says why it went out, until it is in rotation again
         r.last_error = None
         if r.state != "ready":
-            # a replica seen down and back may be a new process: its /metrics start time tells
-            r.state = "ready"
-            r.failed_to_start = None
-            r.view = r.make_view()
-            r.m_ready.set(1)
-            log.info("replica %s is ready (models: %s)", r.name, ", ".join(sorted(r.models)) or "-",
-                     extra={"replica": r.name})
-            self.events.publish(ReplicaReady(r.name))
+            self._bring_in(r)
+
+    def adopt(self, r: Replica, ready: bool, why: str = "") -> None:
+        """The verdict of the router that owns ``r``'s checks (:mod:`.shared_health`), taken as this router's own:
+        out of rotation for ``why`` (``ready`` false), or back where it went out on that router's word only."""
+        if not ready:
+            if r.state == "ready":
+                log.warning("replica %s is unready on the checks of the router that owns them: %s", r.name, why,
+                            extra={"replica": r.name})
+                r.successes = 0
+                r.last_error = f"unready on the checks of another router: {why}"
+                self._take_out(r, r.last_error)
+                r.adopted = True
+        elif r.adopted and r.state == "unready":
+            r.fails = r.successes = 0
+            r.last_error = None
+            self._bring_in(r)
 
     def request_outcome(self, r: Replica, failed: bool, why: str = "") -> None:
         """A proxied request's end on ``r`` (passive outlier detection): ``health.eject_after`` failures in a
@@ -122,9 +133,22 @@ class Health:
         log.warning("replica %s taken out of rotation: %s", r.name, r.last_error, extra={"replica": r.name})
         self._take_out(r, r.last_error)
 
+    def _bring_in(self, r: Replica) -> None:
+        """``r`` is ready now (a replica seen down and back may be a new process: its /metrics start time tells)."""
+        r.state = "ready"
+        r.adopted = False
+        r.failed_to_start = None
+        r.view = r.make_view()
+        r.m_ready.set(1)
+        log.info("replica %s is ready (models: %s)", r.name, ", ".join(sorted(r.models)) or "-",
+                 extra={"replica": r.name})
+        self.events.publish(ReplicaReady(r.name))
+
     def _take_out(self, r: Replica, reason: str) -> None:
-        """``r`` is unready now: routing stops choosing it, and subscribers hear why."""
+        """``r`` is unready now (on this router's own evidence): routing stops choosing it, and subscribers hear
+        why."""
         r.state = "unready"
+        r.adopted = False
         r.view = r.make_view()
         r.m_ready.set(0)
         self.events.publish(ReplicaUnready(r.name, reason))

@@ -1,8 +1,8 @@
 """The replica pool: who is there, who is ready, how loaded each one is.
 
 The pool holds the replicas (:class:`~.record.Replica`) and puts together the parts that keep each one's
-record: the checks and scrapes on each replica's control connection (:mod:`.control`, :mod:`.scrape`), the
-verdicts on its state (:mod:`.health`), its prefill figures (:mod:`.prefill`, :mod:`.learning`) and what it serves
+record: the checks and scrapes on each replica's control connection (:mod:`.control`, :mod:`.scrape`), shared
+with the other routers on one Redis (:mod:`.shared_health`), the verdicts on its state (:mod:`.health`), its prefill figures (:mod:`.prefill`, :mod:`.learning`) and what it serves
 (:mod:`.models`). Who joins and leaves is decided by :mod:`.membership`; the pool carries it out.
 
 Routing reads :meth:`ReplicaPool.views`: each replica's view completed with this router's load (and the other
@@ -21,6 +21,7 @@ from ..load import LoadTable
 from ..memory import FreedMemory
 from ..metrics import Metrics
 from ..shared_load import SharedLoad
+from ..store import Store
 from ..upstream import UpstreamPool
 from ..view import ReplicaView, with_load, with_others
 from . import models
@@ -29,6 +30,7 @@ from .health import Health
 from .learning import PrefillLearning
 from .record import DEFAULT_BLOCKS, Replica
 from .scrape import Scraper
+from .shared_health import SharedHealth
 
 log = logging.getLogger("kvroute.pool")
 
@@ -45,6 +47,8 @@ class ReplicaPool:
         default_blocks: int = DEFAULT_BLOCKS,
         shared: SharedLoad | None = None,
         instance: str | None = None,
+        store: Store | None = None,
+        router_id: str | None = None,
     ) -> None:
         self.instance = instance  # this router's id (router.hops): a replica answering with it is this router
         self.shared = shared  # the other routers' load on each replica, with a Redis index
@@ -58,8 +62,11 @@ class ReplicaPool:
         self.prefill = PrefillLearning(self.replicas)
         self.scraper = Scraper(health.timeout_s, instance, load, shared, metrics, self.events, self.health,
                                self.prefill)
+        # with a Redis store, the routers on it share the checks (each replica has one owner among them)
+        self.shared_health = SharedHealth(store, router_id or instance or "router", self.replicas, self.health, health,
+                                          metrics, self.events) if store is not None and health.shared else None
         self.control = Control(self.replicas, health, proxy, load, self.health, self.set_models, self.scraper.scrape,
-                               instance)
+                               instance, self.shared_health)
         for cfg in configs:
             self.replicas[cfg.name] = self._make(cfg)
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
@@ -80,6 +87,8 @@ class ReplicaPool:
         """Start checking every replica, and wait (at most a health-check timeout) for the first round: a
         router, or a new worker beside running ones, does not answer 503 to replicas it has not asked yet."""
         self._started = True
+        if self.shared_health is not None:
+            await self.shared_health.start()  # which replicas are this router's to check
         for r in self.replicas.values():
             self._spawn(r)
         if self.replicas:
@@ -89,6 +98,8 @@ class ReplicaPool:
                 pass
 
     async def stop(self) -> None:
+        if self.shared_health is not None:
+            await self.shared_health.close()  # the others take this router's replicas at once
         tasks = [t for ts in self._tasks.values() for t in ts]
         for t in tasks:
             t.cancel()
@@ -190,7 +201,18 @@ class ReplicaPool:
         others = self.shared.others(r.name) if self.shared is not None else (0, 0)
         out["other_routers_inflight"], out["other_routers_pending_prefill_tokens"] = others
         out["load"] = out["inflight"] + others[0] + r.external_load
+        if self.shared_health is not None:  # who checks it: with shared checks, one router at the full rate
+            out["checked_by"] = self.shared_health.owner(r.name) if self.shared_health.active else None
+            out["checked_here"] = self.shared_health.owns(r)
         return out
+
+    def describe_checks(self) -> dict[str, Any]:
+        """Who checks the replicas: this router alone, or the routers sharing the checks (and how many are its)."""
+        shared = self.shared_health
+        if shared is None or not shared.active:
+            return {"shared": False, "routers": 1, "router": None, "checked_here": len(self.replicas)}
+        return {"shared": True, "routers": shared.routers, "router": shared.id,
+                "checked_here": sum(1 for r in self.replicas.values() if shared.owns(r))}
 
     def model_label(self, model: str | None) -> str:
         """``model`` as a metric label: only names a replica serves; any other as "other" (a client's

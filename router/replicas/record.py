@@ -64,6 +64,7 @@ class Replica:
         self.ejections = 0  # times taken out for that, in a row
         self.ejected_until = 0.0
         self.failed_to_start: str | None = None
+        self.adopted = False  # unready on the word of the router that owns its checks (.shared_health), not ours
         # (name, value) pairs (event-source discovery, with httpx), the same as header lines for the rest
         self.upstream_headers: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {config.api_key.get_secret_value()}"),) if config.api_key else ())

@@ -18,6 +18,7 @@ class Layout:
     def __init__(self, namespace: str = "kvroute") -> None:
         self.ns = namespace
         self._load = f"{namespace}:{{{_tag(namespace)}:load}}:"
+        self._health = f"{namespace}:{{{_tag(namespace)}:health}}:"
 
     # the prefix index (router.index.redis): one slot per model
     def model(self, model: str) -> str:
@@ -61,6 +62,19 @@ class Layout:
     def load_routers(self) -> str:
         """The routers publishing load, scored by when they last did."""
         return self._load + "routers"
+
+    # shared health checks (router.replicas.shared_health): one slot
+    def health_routers(self) -> str:
+        """The routers sharing the health checks, scored by when they stop counting (ms)."""
+        return self._health + "routers"
+
+    def health_verdicts(self) -> str:
+        """Replica name -> the verdict of the router that checks it ("ready", "starting", "unready WHY")."""
+        return self._health + "verdicts"
+
+    def health_version(self) -> str:
+        """A token that changes with every change of the verdicts (readers read them again only then)."""
+        return self._health + "version"
 
     def conversations(self) -> str:
         """A stream of what the routers answered and continued (router.shared_conversations)."""
