@@ -2,8 +2,8 @@
 
 The pool holds the replicas (:class:`~.record.Replica`) and puts together the parts that keep each one's
 record: the checks and scrapes on each replica's control connection (:mod:`.control`, :mod:`.scrape`), shared
-with the other routers on one Redis (:mod:`.shared_health`), the verdicts on its state (:mod:`.health`), its prefill figures (:mod:`.prefill`, :mod:`.learning`) and what it serves
-(:mod:`.models`). Who joins and leaves is decided by :mod:`.membership`; the pool carries it out.
+with the other routers on one Redis (:mod:`.shared_health`), the verdicts on its state (:mod:`.health`), its
+prefill figures (:mod:`.prefill`, :mod:`.learning`) and what it serves (:mod:`.models`). Who joins and leaves is decided by :mod:`.membership`; the pool carries it out.
 
 Routing reads :meth:`ReplicaPool.views`: each replica's view completed with this router's load (and the other
 routers', with a shared load picture).
@@ -212,7 +212,7 @@ class ReplicaPool:
         if shared is None or not shared.active:
             return {"shared": False, "routers": 1, "router": None, "checked_here": len(self.replicas)}
         return {"shared": True, "routers": shared.routers, "router": shared.id,
-                "checked_here": sum(1 for r in self.replicas.values() if shared.owns(r))}
+                "checked_here": shared.owned}
 
     def model_label(self, model: str | None) -> str:
         """``model`` as a metric label: only names a replica serves; any other as "other" (a client's

@@ -118,6 +118,11 @@ class SharedHealth:
             return True
         return r.name not in self._verdicts and time.monotonic() - r.added_at > self._ttl_ms / 1000
 
+    @property
+    def owned(self) -> int:
+        """Replicas of the pool this router checks at the configured rates, as counted at the last round."""
+        return self._owned if self.active else len(self.replicas)
+
     def defers(self, r: Replica) -> bool:
         """Whether this router leaves ``r`` unchecked for now: it is out on its owner's word, and only that
         owner's word brings it back."""
@@ -260,4 +265,4 @@ class SharedHealth:
 
     def _set_gauges(self) -> None:
         self.metrics.health_routers.set(self.routers)
-        self.metrics.health_owned.set(self._owned if self.active else len(self.replicas))
+        self.metrics.health_owned.set(self.owned)
