@@ -30,7 +30,7 @@ from typing import Any
 
 from .background import Background
 from .config import SharedLoadConfig
-from .store import LUA_HASH_CHANGES, Store
+from .store import LUA_HASH_CHANGES, LUA_PRESENT, Store
 from .load import LoadTable
 
 log = logging.getLogger("kvroute.shared_load")
@@ -39,13 +39,12 @@ log = logging.getLogger("kvroute.shared_load")
 # router's hash. ARGV: now (ms), ttl (ms), own id, own host prefix ("HOST."), the others' hash key prefix,
 # n, then n (replica, "INFLIGHT PENDING") pairs to set, then the replicas to delete. Returns the other
 # hosts' (replica, figures) pairs, flat.
-_TICK = LUA_HASH_CHANGES + """
+_TICK = LUA_HASH_CHANGES + LUA_PRESENT + """
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local id, host, prefix = ARGV[3], ARGV[4], ARGV[5]
 hash_changes(KEYS[2], tonumber(ARGV[6]), 7)
 redis.call('PEXPIRE', KEYS[2], ttl)
-redis.call('ZADD', KEYS[1], now + ttl, id)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+present(KEYS[1], now, ttl, id)
 local out = {}
 for _, other in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   if string.sub(other, 1, #host) ~= host then

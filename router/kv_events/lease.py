@@ -31,7 +31,7 @@ from typing import Any, Iterable
 
 import msgspec
 
-from ..store import LUA_HASH_CHANGES, Store
+from ..store import LUA_HASH_CHANGES, LUA_PRESENT, Store
 
 # Renew: only the holder extends the lease. KEYS[1] lease; ARGV[1] holder id, ARGV[2] lease ms.
 _RENEW = """
@@ -58,11 +58,8 @@ return 0
 
 # Say this router takes part, forget routers that stopped saying so, count them. KEYS[1] the routers' sorted
 # set; ARGV now (ms), time to live (ms), holder id.
-_PRESENT = """
-local now = tonumber(ARGV[1])
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+_PRESENT = LUA_PRESENT + """
+present(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3])
 return redis.call('ZCARD', KEYS[1])
 """
 

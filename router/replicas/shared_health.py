@@ -35,7 +35,7 @@ from ..background import Background
 from ..config import HealthConfig
 from ..metrics import Metrics
 from ..replica_events import EventBus, ReplicaReady, ReplicaUnready
-from ..store import LUA_HASH_CHANGES, RedisError, Store
+from ..store import LUA_HASH_CHANGES, LUA_PRESENT, RedisError, Store
 from .health import Health
 from .record import Replica
 
@@ -48,11 +48,9 @@ MAX_WHY = 200  # characters of a reason published with a verdict
 # router counts (ms), its id, the version the caller last read, a new version token, n, then n (replica,
 # verdict) pairs to set, then the replicas whose verdicts go. Returns {routers, version, verdicts (flat)
 # where the version is not the caller's, else nothing}.
-_ROUND = LUA_HASH_CHANGES + """
+_ROUND = LUA_HASH_CHANGES + LUA_PRESENT + """
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[3])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-redis.call('PEXPIRE', KEYS[1], ttl)
+present(KEYS[1], now, ttl, ARGV[3])
 local n = tonumber(ARGV[6])
 if n > 0 or #ARGV > 6 + 2 * n then
   hash_changes(KEYS[2], n, 7)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from .client import Redis
 from .layout import Layout
-from .lua import LUA_HASH_CHANGES
+from .lua import LUA_HASH_CHANGES, LUA_PRESENT
 from .resp import ConnectionLost, RedisError, ReplyError
 
-__all__ = ["Store", "Redis", "Layout", "LUA_HASH_CHANGES", "ConnectionLost", "RedisError", "ReplyError"]
+__all__ = ["Store", "Redis", "Layout", "LUA_HASH_CHANGES", "LUA_PRESENT", "ConnectionLost", "RedisError", "ReplyError"]
 
 
 class Store:

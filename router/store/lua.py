@@ -22,3 +22,15 @@ local function hash_changes(key, n, i)
   if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
 end
 """
+
+
+# A Lua function for a router saying it is present: it counts in the sorted set ``key`` (member ``id``, scored by
+# when it stops counting) until ``now + ttl`` (milliseconds); members past their time leave, and the set itself
+# goes once no router has said so for ``ttl``.
+LUA_PRESENT = """
+local function present(key, now, ttl, id)
+  redis.call('ZADD', key, now + ttl, id)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  redis.call('PEXPIRE', key, ttl)
+end
+"""
