@@ -121,6 +121,15 @@ class BlockPool:
             b.ref += 1
         return out
 
+    def peek(self, hashes: list[int]) -> int:
+        """How many of ``hashes``' leading blocks are cached (the cache left as it is)."""
+        n = 0
+        for h in hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
     def allocate(self, n: int) -> list[Block] | None:
         """``n`` blocks taken from the head of the free queue (their cached contents evicted), or None."""
         if n > len(self.free):
@@ -186,6 +195,11 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
+    # disaggregated prefill and decode (loadtest/kv_transfer.py): a prefill for another replica's decode keeps
+    # its blocks when it finishes, until that replica has read them; a decode whose prompt was read from
+    # another replica has that many prompt tokens' KV at hand when it is scheduled
+    keep_blocks: bool = False
+    external_tokens: int = 0
 
     @property
     def length(self) -> int:
@@ -232,12 +246,14 @@ class Engine:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.prompt_tokens = 0
+        self.external_hits = 0  # prompt tokens whose KV was read from another replica
         self.generation_tokens = 0
         self.preemptions = 0
         self.prefill_seconds = 0.0  # summed over requests, from first scheduled to first token
         self.prefill_requests = 0
         self.queue_seconds = 0.0  # summed over requests, from arrival at the engine to first scheduled
         self.ttft = Histogram(TTFT_BUCKETS)  # engine seconds from arrival at the API server to the first token
+        self.kept: dict[str, list[Block]] = {}  # finished prefills' blocks, kept for another replica to read
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -256,6 +272,12 @@ class Engine:
             self.running.remove(req)
             self.pool.release(req.blocks)
             req.blocks = []
+
+    def free_kept(self, request_id: str) -> None:
+        """Another replica read (or will never read) a finished prefill's blocks: they go back to the pool."""
+        blocks = self.kept.pop(request_id, None)
+        if blocks is not None:
+            self.pool.release(blocks)
 
     @property
     def idle(self) -> bool:
@@ -280,6 +302,7 @@ class Engine:
         req.blocks = []
         req.computed = 0
         req.offered = 0
+        req.external_tokens = 0  # the KV read from another replica went with its blocks
         req.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(req)
@@ -310,6 +333,7 @@ class Engine:
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0 and not preempted:
             req = self.waiting[0]
             hit: list[Block] = []
+            local = req.computed
             if req.computed == 0 and not req.blocks:
                 # never the last token: vLLM recomputes it to sample the first output
                 usable = (req.length - 1) // self.block_size
@@ -317,6 +341,9 @@ class Engine:
                 req.blocks = list(hit)
                 req.computed = len(hit) * self.block_size
                 req.offered = len(hit)
+                local = req.computed
+                # what was read from another replica is computed too (its blocks are allocated below)
+                req.computed = max(req.computed, min(req.external_tokens, req.length - 1))
             n = min(req.length - req.computed, budget)
             got = self.pool.allocate(self._blocks_for(req, n))
             if got is None:
@@ -328,7 +355,8 @@ class Engine:
                 req.cached_tokens = req.computed
                 req.scheduled_at = self.now
                 self.prefix_queries += len(req.prompt)
-                self.prefix_hits += req.computed
+                self.prefix_hits += local
+                self.external_hits += req.computed - local
                 self.prompt_tokens += len(req.prompt)
             req.blocks += got
             self.waiting.popleft()
@@ -359,7 +387,10 @@ class Engine:
             if req.output >= req.max_tokens:
                 req.finished_at = self.now
                 self.running.remove(req)
-                self.pool.release(req.blocks)
+                if req.keep_blocks:
+                    self.kept[req.id] = req.blocks
+                else:
+                    self.pool.release(req.blocks)
                 req.blocks = []
                 finished.append(req)
         return StepResult(seconds, tokens, finished, preempted, prefill, len(decodes))

@@ -55,6 +55,7 @@ class Device:
     bandwidth: float  # bytes/s
     bf16_flops: float  # dense, per second
     source: str
+    link_bytes_per_s: float = 0.0  # scale-out network per device, for KV transfers between replicas
 
 
 # Model cards (Hugging Face config.json of each model).
@@ -62,10 +63,15 @@ LLAMA_70B = ModelShape("Llama-3.1-70B", 70.6e9, 80, 8, 128)
 LLAMA_8B = ModelShape("Llama-3.1-8B", 8.03e9, 32, 8, 128)
 
 # Datasheet figures.
-GAUDI2 = Device("Gaudi 2", 96e9, 2.45e12, 432e12, "Intel Gaudi 2 datasheet: 96 GB HBM2E, 2.45 TB/s, 432 TFLOPS BF16")
-GAUDI3 = Device("Gaudi 3", 128e9, 3.7e12, 1835e12, "Intel Gaudi 3 datasheet: 128 GB HBM2e, 3.7 TB/s, 1835 TFLOPS BF16")
+# Scale-out links, for KV transfers between replicas: Gaudi 2 and 3 each give 3 of their 24 integrated
+# Ethernet ports (100 and 200 GbE) to scale-out; an Aurora node has 8 Slingshot-11 NICs of 200 Gb/s for 12 tiles.
+GAUDI2 = Device("Gaudi 2", 96e9, 2.45e12, 432e12, "Intel Gaudi 2 datasheet: 96 GB HBM2E, 2.45 TB/s, 432 TFLOPS BF16",
+                link_bytes_per_s=3 * 100e9 / 8)
+GAUDI3 = Device("Gaudi 3", 128e9, 3.7e12, 1835e12, "Intel Gaudi 3 datasheet: 128 GB HBM2e, 3.7 TB/s, 1835 TFLOPS BF16",
+                link_bytes_per_s=3 * 200e9 / 8)
 PVC_TILE = Device("Max 1550 tile", 64e9, 1.6e12, 210e12, "Intel Data Center GPU Max 1550 (Aurora's PVC): 128 GB, "
-                  "3.2 TB/s and about 420 TFLOPS BF16 per GPU of 2 tiles, halved per tile")
+                  "3.2 TB/s and about 420 TFLOPS BF16 per GPU of 2 tiles, halved per tile",
+                  link_bytes_per_s=8 * 200e9 / 8 / 12)
 
 MFU = 0.4  # share of peak compute a long prefill reaches (assumed)
 BANDWIDTH_EFFICIENCY = 0.6  # share of peak bandwidth a decode step reaches (assumed)
@@ -87,6 +93,8 @@ class Profile:
     platform: str = "cpu"  # kvroute's replicas[].platform for it
     tensor_parallel_size: int = 1
     frontend_s: float = 0.0  # API server time per request outside engine steps (Engine's frontend_s)
+    kv_bytes_per_token: int = 1024  # KV cache bytes per token, all layers (what a disaggregated decode reads)
+    link_bytes_per_s: float = 25e9  # the replica's network for KV transfers (disaggregated prefill and decode)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -112,7 +120,8 @@ def derive(name: str, platform: str, model: ModelShape, device: Device, tp: int,
     source = (f"{model.name} (BF16) on {tp} x {device.name}, block size {block_size}: derived from {device.source}; "
               f"MFU {MFU}, bandwidth efficiency {BANDWIDTH_EFFICIENCY}, gpu_memory_utilization "
               f"{GPU_MEMORY_UTILIZATION} (loadtest/profiles.py)")
-    return Profile(name, block_size, blocks, max_num_seqs, max_num_batched_tokens, cost, source, platform, tp)
+    return Profile(name, block_size, blocks, max_num_seqs, max_num_batched_tokens, cost, source, platform, tp,
+                   kv_bytes_per_token=model.kv_bytes_per_token, link_bytes_per_s=tp * device.link_bytes_per_s)
 
 
 # The project's tiny Llama on this machine's real vLLM CPU replicas (deploy/setup-vllm.sh), measured with

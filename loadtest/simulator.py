@@ -44,6 +44,7 @@ from router.tokenizer import LocalTokenizer
 from . import stand_in_apis as apis
 from .engine import Engine, EngineLoop, Request, StepCost
 from .kv_publisher import KvPublisher
+from .kv_transfer import KvTransfer, TransferFailed
 from .profiles import PROFILES
 
 # The rest of a vLLM 0.32 replica's /metrics page (captured from one; the families the stand-in does not
@@ -52,9 +53,17 @@ _METRICS_REST = (Path(__file__).parent / "vllm_metrics_rest.txt").read_text()
 _metrics_rest_of: dict[str, str] = {}  # per model name: one copy for every replica a process hosts
 
 
+# families the stand-in computes itself, left out of the captured rest
+_COMPUTED = ("vllm:prompt_tokens_by_source_total", "vllm:external_prefix_cache_queries_total",
+             "vllm:external_prefix_cache_hits_total")
+
+
 def metrics_rest(model: str) -> str:
     if model not in _metrics_rest_of:
-        _metrics_rest_of[model] = _METRICS_REST.replace('model_name="tiny"', f'model_name="{model}"')
+        lines = [line for line in _METRICS_REST.splitlines()
+                 if not any(line.startswith(f) or line.startswith(f"# HELP {f} ") or line.startswith(f"# TYPE {f} ")
+                            for f in _COMPUTED)]
+        _metrics_rest_of[model] = "\n".join(lines).replace('model_name="tiny"', f'model_name="{model}"') + "\n"
     return _metrics_rest_of[model]
 
 VERSION = "0.32.0"
@@ -92,6 +101,8 @@ class Counters:
     generation_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    local_cache_hit: int = 0  # prompt tokens found in this replica's prefix cache
+    external_kv_transfer: int = 0  # prompt tokens whose KV was read from another replica (disaggregated prefill)
     health_checks: int = 0  # GET /health answered
     scrapes: int = 0  # GET /metrics answered
     last_headers: dict[str, str] = field(default_factory=dict)
@@ -213,7 +224,7 @@ class VLLMSimulator:
                  max_model_len: int = 4096, bytes_per_token: int = 4, api_key: str | None = None,
                  faults: Faults | None = None, seed: int | None = None, root: str | None = None,
                  kv_events: KvPublisher | None = None, engine: Engine | None = None, time_scale: float = 1.0,
-                 store_responses: bool = False) -> None:
+                 store_responses: bool = False, transfer: KvTransfer | None = None) -> None:
         self.model = model
         self._metrics_rest = metrics_rest(model)
         self.root = root or f"/models/{model}"  # what /v1/models reports the model was loaded from
@@ -244,6 +255,7 @@ class VLLMSimulator:
         self._rng = random.Random(seed)
         self._background: set[asyncio.Task[None]] = set()
         self.responses = apis.StoredResponses() if store_responses else None
+        self.transfer = transfer  # a KV connector (--kv-connector): disaggregated prefill and decode
 
     # -- ASGI --------------------------------------------------------------------------------
 
@@ -299,6 +311,8 @@ class VLLMSimulator:
                     else:
                         setattr(self.faults, k, v)
                 return await _json(send, 200, asdict(self.faults))
+            if path == "/sim/kv_pull":
+                return await self._kv_pull(body, send)
             if path == "/sim/restart":
                 self.restart()
                 return await _json(send, 200, self.state())
@@ -412,6 +426,10 @@ class VLLMSimulator:
             out["kv_blocks_in_use"] = len(e.pool.blocks) - e.pool.num_free
             out["engine"] = {"running": len(e.running), "waiting": len(e.waiting), "preemptions": e.preemptions,
                              "prefix_hits": e.prefix_hits, "prefix_queries": e.prefix_queries, "time": e.now}
+        if self.transfer is not None:
+            out["kv_transfer"] = {"engine_id": self.transfer.engine_id, **asdict(self.transfer.c)}
+            if e is not None:
+                out["kv_transfer"]["kept_blocks"] = sum(len(b) for b in e.kept.values())
         if self.kv_events is not None:
             p = self.kv_events
             out["kv_events"] = {"next_seq": p.seq, "pending": len(p.pending), "sent": p.sent, "dropped": p.dropped,
@@ -526,6 +544,10 @@ class VLLMSimulator:
         ids = self.prompt_ids(req, chat)
         prompt_tokens = len(ids)
         blocks = math.ceil((prompt_tokens + max_tokens) / self.block_size)
+        t = self.transfer
+        params = req.get("kv_transfer_params")
+        remote_prefill = t is not None and t.usable(params)
+        finished = self._keeper(ids) if t is not None and t.wants_remote_decode(params) else None
         self.c.waiting += 1
         self.c.peak_in_flight = max(self.c.peak_in_flight, self.c.running + self.c.waiting)
         holding = False
@@ -541,15 +563,30 @@ class VLLMSimulator:
                 self.kv_blocks_in_use += blocks
                 if self.faults.hang:  # a hung engine: admitted, never scheduled, so no token is ever counted
                     await asyncio.Event().wait()
+                external = 0
+                if remote_prefill:
+                    assert t is not None
+                    external = max(0, prompt_tokens - 1 - self.cache.lookup(ids))
+                    try:
+                        await t.read(params, external)
+                    except TransferFailed as e:
+                        if t.failure_policy == "fail":
+                            self.c.failed += 1
+                            return await self._transfer_failed(req, send, str(e))
+                        external = 0  # recompute
                 cached = self.cache.admit(ids)
+                external = min(external, prompt_tokens - 1 - cached) if external else 0
                 self.c.prompt_tokens += prompt_tokens
                 self.c.prefix_queries += prompt_tokens
                 self.c.prefix_hits += cached
+                self.c.local_cache_hit += cached
+                self.c.external_kv_transfer += external
                 loop = asyncio.get_running_loop()
                 start = max(loop.time(), self._prefill_free_at)
-                self._prefill_free_at = start + self.prefill_per_token * (prompt_tokens - cached)
+                self._prefill_free_at = start + self.prefill_per_token * (prompt_tokens - cached - external)
                 await asyncio.sleep(self._prefill_free_at - loop.time() + self.ttft)
-                await self._answer(chat, req, max_tokens, prompt_tokens, cached, send)
+                await self._answer(chat, req, max_tokens, prompt_tokens, cached + external, send,
+                                   finished=finished)
         finally:
             if running:
                 self.c.running -= 1
@@ -564,8 +601,18 @@ class VLLMSimulator:
         """The engine schedules the request; each of its steps paces the tokens."""
         assert self.engine_loop is not None
         ids = self.prompt_ids(req, chat)
-        r = Request(uuid.uuid4().hex, ids, max_tokens)
         engine = self.engine_loop.engine
+        t = self.transfer
+        params = req.get("kv_transfer_params")
+        r = Request(f"cmpl-{uuid.uuid4().hex}-0", ids, max_tokens,
+                    keep_blocks=t is not None and t.wants_remote_decode(params))
+        kept = False
+
+        def finished() -> dict[str, Any] | None:
+            nonlocal kept
+            assert t is not None
+            kept = True
+            return t.keep(r.id, len(engine.kept.get(r.id, ())), len(ids), lambda: engine.free_kept(r.id))
 
         async def pace(i: int) -> None:
             if not await tokens.get():
@@ -575,6 +622,16 @@ class VLLMSimulator:
             with _ClientGone(receive, self.c):
                 if engine.frontend_s:  # the API server's part of the time to first token
                     await asyncio.sleep(engine.frontend_s * self.engine_loop.time_scale)
+                if t is not None and t.usable(params):
+                    b = engine.block_size
+                    local = engine.pool.peek(engine.chain(ids)[:(len(ids) - 1) // b]) * b
+                    try:
+                        await t.read(params, max(0, len(ids) - 1 - local))
+                        r.external_tokens = len(ids) - 1
+                    except TransferFailed as e:
+                        if t.failure_policy == "fail":
+                            self.c.failed += 1
+                            return await self._transfer_failed(req, send, str(e))
                 tokens = self.engine_loop.submit(r)
                 self.c.peak_in_flight = max(self.c.peak_in_flight, len(engine.running) + len(engine.waiting))
                 if not await tokens.get():  # refused: longer than the whole KV cache
@@ -582,32 +639,77 @@ class VLLMSimulator:
                     return await _json(send, 400, _error(
                         f"The prompt ({len(ids)} tokens) does not fit in the KV cache", "BadRequestError", "messages"
                         if chat else "prompt", 400))
-                await self._answer(chat, req, max_tokens, len(ids), r.cached_tokens, send, pace)
+                await self._answer(chat, req, max_tokens, len(ids), r.cached_tokens, send, pace,
+                                   finished if r.keep_blocks else None)
         finally:
             self.engine_loop.abort(r)
+            if not kept:  # a prefill that did not finish (or whose answer failed) keeps nothing
+                engine.free_kept(r.id)
 
     def _text(self, i: int) -> str:
         return VOCAB[i % len(VOCAB)] if i else VOCAB[0]
 
     async def _answer(self, chat: bool, req: dict[str, Any], n: int, prompt_tokens: int, cached: int, send: Any,
-                      pace: Callable[[int], Awaitable[None]] | None = None) -> None:
+                      pace: Callable[[int], Awaitable[None]] | None = None,
+                      finished: Callable[[], dict[str, Any] | None] | None = None) -> None:
+        """Generate and send ``n`` tokens; ``finished``, called once the last is generated, gives the answer's
+        ``kv_transfer_params`` (a prefill kept for another replica's decode; a stream does not carry them)."""
         if req.get("stream"):
-            await self._stream(chat, req, n, prompt_tokens, cached, send, pace)
+            await self._stream(chat, req, n, prompt_tokens, cached, send, pace, finished)
         else:
-            await self._whole(chat, req, n, prompt_tokens, cached, send, pace)
+            await self._whole(chat, req, n, prompt_tokens, cached, send, pace, finished)
         self.c.completed += 1
+
+    def _keeper(self, ids: list[int]) -> Callable[[], dict[str, Any] | None]:
+        """For a prefill another replica will decode (no engine): its blocks stay in use until read."""
+        assert self.transfer is not None
+        blocks = math.ceil(len(ids) / self.block_size)
+
+        def free() -> None:
+            self.kv_blocks_in_use -= blocks
+
+        def keep() -> dict[str, Any] | None:
+            assert self.transfer is not None
+            self.kv_blocks_in_use += blocks
+            return self.transfer.keep(f"cmpl-{uuid.uuid4().hex}-0", blocks, len(ids), free)
+        return keep
+
+    async def _kv_pull(self, body: bytes, send: Any) -> None:
+        """The side channel: a decode replica reads a kept prefill's blocks (200 with their count), or 404."""
+        if self.transfer is None:
+            return await _json(send, 404, {"error": "no KV connector"})
+        try:
+            spec = json.loads(body or b"{}")
+            held = self.transfer.pull(spec.get("remote_engine_id"), spec.get("remote_request_id"))
+        except (ValueError, AttributeError, RecursionError):
+            held = None
+        if held is None:
+            return await _json(send, 404, {"error": "unknown or expired request"})
+        return await _json(send, 200, {"blocks": held.blocks, "tokens": held.tokens})
+
+    async def _transfer_failed(self, req: dict[str, Any], send: Any, why: str) -> None:
+        """A decode whose KV could not be read (kv_load_failure_policy fail): vLLM fails the request."""
+        err = _error(f"Internal server error: KV transfer failed ({why})", "InternalServerError", None, 500)
+        if not req.get("stream"):
+            return await _json(send, 500, err)
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        await send({"type": "http.response.body", "body": b"data: " + json.dumps(err).encode() + b"\n\n",
+                    "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def _pace(self, i: int) -> None:
         """Before output token ``i`` (from 1): the fixed inter-token latency."""
         await asyncio.sleep(self.itl)
 
     async def _whole(self, chat: bool, req: dict[str, Any], n: int, prompt_tokens: int, cached: int,
-                     send: Any, pace: Callable[[int], Awaitable[None]] | None = None) -> None:
+                     send: Any, pace: Callable[[int], Awaitable[None]] | None = None,
+                     finished: Callable[[], dict[str, Any] | None] | None = None) -> None:
         if pace is None:
             await asyncio.sleep(self.itl * max(0, n - 1))
         else:
             for i in range(1, n):
                 await pace(i)
+        transfer_params = finished() if finished is not None else None
         text = "".join(self._text(i) for i in range(n))
         self.c.generation_tokens += n
         usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n, "completion_tokens": n,
@@ -626,7 +728,7 @@ class VLLMSimulator:
                            "routed_experts": None}],
                        "service_tier": None, "system_fingerprint": FINGERPRINT, "usage": usage,
                        "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
-                       "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+                       "kv_transfer_params": transfer_params, "ec_transfer_params": None, "metrics": None}
         else:
             payload = {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion", "created": now,
                        "model": self.model, "choices": [{
@@ -634,7 +736,7 @@ class VLLMSimulator:
                            "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
                            "prompt_token_ids": None, "routed_experts": None}],
                        "service_tier": None, "system_fingerprint": FINGERPRINT, "usage": usage,
-                       "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+                       "kv_transfer_params": transfer_params, "ec_transfer_params": None, "metrics": None}
         if self.faults.cut_bodies > 0:
             self.faults.cut_bodies -= 1
             body = json.dumps(payload, separators=(",", ":")).encode()
@@ -645,7 +747,8 @@ class VLLMSimulator:
         await _json(send, 200, payload)
 
     async def _stream(self, chat: bool, req: dict[str, Any], n: int, prompt_tokens: int, cached: int,
-                      send: Any, pace: Callable[[int], Awaitable[None]] | None = None) -> None:
+                      send: Any, pace: Callable[[int], Awaitable[None]] | None = None,
+                      finished: Callable[[], dict[str, Any] | None] | None = None) -> None:
         pace = pace or self._pace
         f = self.faults
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}" if chat else f"cmpl-{uuid.uuid4().hex[:16]}"
@@ -691,6 +794,8 @@ class VLLMSimulator:
                 await emit({**head, "choices": [{"index": 0, "text": self._text(i), "logprobs": None,
                                                  "finish_reason": "length" if last else None, "stop_reason": None,
                                                  "prompt_token_ids": None, "token_ids": None}]})
+        if finished is not None:
+            finished()  # kept, though the stream does not say so (nor does vLLM's)
         if (req.get("stream_options") or {}).get("include_usage"):
             details: dict[str, Any] = {"cached_tokens": cached}
             if chat:
@@ -753,10 +858,12 @@ class VLLMSimulator:
         usage = min(1.0, self.kv_blocks_in_use / self.num_gpu_blocks) if self.num_gpu_blocks else 0.0
         running, waiting, queries, hits = c.running, c.waiting, c.prefix_queries, c.prefix_hits
         prompt, generation, preemptions = c.prompt_tokens, c.generation_tokens, 0
+        external = c.external_kv_transfer
         e = self.engine
         if e is not None:
             running, waiting, usage = len(e.running), len(e.waiting), e.pool.usage
             queries, hits, prompt, preemptions = e.prefix_queries, e.prefix_hits, e.prompt_tokens, e.preemptions
+            external = e.external_hits
         lines = [
             "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
             "# TYPE process_start_time_seconds gauge",
@@ -776,6 +883,19 @@ class VLLMSimulator:
             "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.",
             "# TYPE vllm:prefix_cache_hits_total counter",
             f"vllm:prefix_cache_hits_total{{{lab}}} {float(hits)}",
+            "# HELP vllm:external_prefix_cache_queries_total External prefix cache queries from KV connector "
+            "cross-instance cache sharing, in terms of number of queried tokens.",
+            "# TYPE vllm:external_prefix_cache_queries_total counter",
+            f"vllm:external_prefix_cache_queries_total{{{lab}}} {float(queries if self.transfer else 0)}",
+            "# HELP vllm:external_prefix_cache_hits_total External prefix cache hits from KV connector "
+            "cross-instance cache sharing, in terms of number of cached tokens.",
+            "# TYPE vllm:external_prefix_cache_hits_total counter",
+            f"vllm:external_prefix_cache_hits_total{{{lab}}} {float(external)}",
+            "# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.",
+            "# TYPE vllm:prompt_tokens_by_source_total counter",
+            f'vllm:prompt_tokens_by_source_total{{{lab},source="local_compute"}} {float(prompt - hits - external)}',
+            f'vllm:prompt_tokens_by_source_total{{{lab},source="local_cache_hit"}} {float(hits)}',
+            f'vllm:prompt_tokens_by_source_total{{{lab},source="external_kv_transfer"}} {float(external)}',
             "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
             "# TYPE vllm:prompt_tokens_total counter",
             f"vllm:prompt_tokens_total{{{lab}}} {float(prompt)}",
@@ -950,6 +1070,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-replay-port", type=int, default=0, help="replay ROUTER port (default: a free one)")
     p.add_argument("--no-kv-replay", action="store_true", help="publish without a replay endpoint")
     p.add_argument("--kv-events-buffer", type=int, default=10_000, help="batches kept for replay (buffer_steps)")
+    t = p.add_argument_group("KV transfer", "disaggregated prefill and decode as vLLM's NixlConnector does them "
+                             "(loadtest/kv_transfer.py): a request's kv_transfer_params ask for a prefill kept for "
+                             "another replica, or for a decode that reads its prompt's KV from one")
+    t.add_argument("--kv-connector", choices=["NixlConnector"], help="as vllm --kv-transfer-config "
+                   "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'")
+    t.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail",
+                   help="a decode whose KV cannot be read fails (vLLM's default) or computes its prompt")
+    t.add_argument("--kv-bytes-per-token", type=int, default=1024, help="KV cache bytes per token (all layers; "
+                   "default: the tiny model's, 2 layers x 2 x 4 heads x 32 x 2 bytes)")
+    t.add_argument("--kv-link-gbps", type=float, default=25.0, help="GB/s a decode replica reads KV at")
+    t.add_argument("--kv-link-latency-ms", type=float, default=0.5, help="fixed time of one read")
+    t.add_argument("--kv-abort-timeout-s", type=float, default=480.0, help="a kept prefill's blocks are freed "
+                   "after this long if no decode replica read them (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+    t.add_argument("--tensor-parallel-size", type=int, default=1, help="reported as tp_size in kv_transfer_params")
     e = p.add_argument_group("engine", "with --engine, a modelled vLLM engine schedules, times and caches the "
                              "requests (loadtest/engine.py); --ttft-ms and --itl-ms do not apply")
     e.add_argument("--engine", action="store_true", help="queue, batch, allocate KV blocks and preempt like vLLM")
@@ -981,6 +1115,8 @@ def main(argv: list[str] | None = None) -> int:
         prof = PROFILES[known.profile]
         c = prof.cost
         p.set_defaults(engine=True, block_size=prof.block_size, num_gpu_blocks=prof.num_gpu_blocks,
+                       kv_bytes_per_token=prof.kv_bytes_per_token, kv_link_gbps=prof.link_bytes_per_s / 1e9,
+                       tensor_parallel_size=prof.tensor_parallel_size,
                        max_num_seqs=prof.max_num_seqs, max_num_batched_tokens=prof.max_num_batched_tokens,
                        step_base_ms=c.base_s * 1e3, step_prefill_us_per_token=c.prefill_s_per_token * 1e6,
                        step_decode_us_per_seq=c.decode_s_per_seq * 1e6,
@@ -1023,6 +1159,12 @@ def build(args: argparse.Namespace, index: int = 0) -> VLLMSimulator:
     publisher = KvPublisher(args.host, args.kv_events_port + index if args.kv_events_port else 0,
                             None if args.no_kv_replay else (args.kv_replay_port + index if args.kv_replay_port else 0),
                             args.kv_events_buffer) if args.kv_events else None
+    transfer = None
+    if args.kv_connector:
+        transfer = KvTransfer(args.host, args.port + index, kv_bytes_per_token=args.kv_bytes_per_token,
+                              bandwidth=args.kv_link_gbps * 1e9, latency_s=args.kv_link_latency_ms / 1e3,
+                              failure_policy=args.kv_load_failure_policy, abort_timeout_s=args.kv_abort_timeout_s,
+                              tp_size=args.tensor_parallel_size, time_scale=args.time_scale)
     engine = None
     if args.engine:
         cost = StepCost(args.step_base_ms / 1e3, args.step_prefill_us_per_token / 1e6,
@@ -1038,7 +1180,7 @@ def build(args: argparse.Namespace, index: int = 0) -> VLLMSimulator:
                          max_model_len=args.max_model_len, bytes_per_token=args.bytes_per_token,
                          api_key=args.api_key, faults=faults, seed=seed, root=args.root,
                          kv_events=publisher, engine=engine, time_scale=args.time_scale,
-                         store_responses=args.store_responses)
+                         store_responses=args.store_responses, transfer=transfer)
 
 
 if __name__ == "__main__":

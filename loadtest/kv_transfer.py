@@ -1,0 +1,194 @@
+"""The stand-in's KV-cache transfer between replicas, as vLLM 0.32's NixlConnector does it for disaggregated
+prefill and decode.
+
+The protocol is the request's ``kv_transfer_params``, as a proxy passes them:
+
+- **Prefill side.** A request with ``{"do_remote_decode": true, ...}`` is served as usual (the proxy asks for
+  ``max_tokens: 1``, not streamed). If it ends by reaching its length (not aborted, not stopped early), its
+  KV blocks are kept for the decode side to read, and the answer carries
+  ``{"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [[...]],
+  "remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size"}``. The blocks are freed
+  when the decode side has read them, or after ``abort_timeout_s`` (vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``,
+  480 s) if nobody does.
+- **Decode side.** A request with those parameters reads the prompt's KV from the prefill replica instead of
+  computing it: every prompt token but the last (which it computes to sample from), less what its own prefix
+  cache already holds, counted as ``external_kv_transfer`` in ``vllm:prompt_tokens_by_source_total``. The read
+  takes ``tokens x kv_bytes_per_token / bandwidth`` (plus a fixed latency), during which the request waits and
+  the engine serves others. Parameters lacking a field vLLM needs are ignored with a warning (the prompt is
+  computed here). A read that fails (the blocks expired, the prefill replica is gone) fails the request
+  (``kv_load_failure_policy: fail``, vLLM's default: HTTP 500, or an error event in a stream) or, with
+  ``recompute``, computes the prompt here.
+
+vLLM reads the blocks over NIXL after a handshake on its side channel (``VLLM_NIXL_SIDE_CHANNEL_HOST`` and
+``_PORT``). The stand-in's side channel is its own HTTP port: ``POST /sim/kv_pull`` with the engine and request
+ids answers the blocks' count and frees them. A router passes these fields through without reading them, so the
+difference does not show to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger("loadtest.kv_transfer")
+
+# What a decode side needs in kv_transfer_params to read from a prefill side (vLLM's NixlConnector scheduler)
+REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+ABORT_TIMEOUT_S = 480.0  # VLLM_NIXL_ABORT_REQUEST_TIMEOUT's default
+MAX_HELD = 100_000  # requests whose blocks wait to be read, at most (the oldest are freed first past it)
+
+
+class TransferFailed(Exception):
+    """The decode side could not read the prompt's KV from the prefill side."""
+
+
+@dataclass
+class Held:
+    blocks: int
+    tokens: int
+    expires: float
+    free: Callable[[], None]
+
+
+@dataclass
+class TransferCounters:
+    held: int = 0  # prefill side: requests whose blocks are kept for a decode side now
+    sent_blocks: int = 0  # prefill side: blocks read by decode sides
+    expired: int = 0  # prefill side: requests whose blocks nobody read in time
+    received_tokens: int = 0  # decode side: prompt tokens read from prefill sides
+    transfers: int = 0  # decode side: reads that succeeded
+    failed: int = 0  # decode side: reads that failed
+    ignored: int = 0  # decode side: parameters lacking a field (computed here instead)
+    transfer_seconds: float = 0.0  # decode side: time spent reading, summed
+    last_params: dict[str, Any] = field(default_factory=dict)  # the last kv_transfer_params received
+
+
+class KvTransfer:
+    """One replica's connector: the blocks it keeps for decode sides, and its reads from prefill sides."""
+
+    def __init__(self, host: str, port: int, *, kv_bytes_per_token: int, bandwidth: float, latency_s: float = 0.0,
+                 failure_policy: str = "fail", abort_timeout_s: float = ABORT_TIMEOUT_S, tp_size: int = 1,
+                 time_scale: float = 1.0, read_timeout_s: float = 10.0) -> None:
+        if failure_policy not in ("fail", "recompute"):
+            raise ValueError(f"kv_load_failure_policy must be fail or recompute, not {failure_policy!r}")
+        self.engine_id = str(uuid.uuid4())
+        self.host, self.port = host, port
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.bandwidth = bandwidth
+        self.latency_s = latency_s
+        self.failure_policy = failure_policy
+        self.abort_timeout_s = abort_timeout_s
+        self.tp_size = tp_size
+        self.time_scale = time_scale
+        self.read_timeout_s = read_timeout_s
+        self.c = TransferCounters()
+        self._held: dict[str, Held] = {}  # request id -> its kept blocks, oldest first
+
+    # -- prefill side ----------------------------------------------------------------------------
+
+    def keep(self, request_id: str, blocks: int, tokens: int, free: Callable[[], None]) -> dict[str, Any] | None:
+        """Keep a finished prefill's ``blocks`` (holding ``tokens``) for a decode side; ``free`` releases them.
+        Returns the answer's kv_transfer_params (None when there is nothing to read: no block, as vLLM)."""
+        self.sweep()
+        if blocks <= 0:
+            free()
+            return None
+        while len(self._held) >= MAX_HELD:
+            oldest = next(iter(self._held))
+            self._release(oldest, expired=True)
+        self._held[request_id] = Held(blocks, tokens, time.monotonic() + self.abort_timeout_s, free)
+        self.c.held = len(self._held)
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [list(range(blocks))],
+                "remote_engine_id": self.engine_id, "remote_request_id": request_id, "remote_host": self.host,
+                "remote_port": self.port, "tp_size": self.tp_size}
+
+    def pull(self, engine_id: Any, request_id: Any) -> Held | None:
+        """A decode side reads (and so frees) a kept prefill's blocks; None if they are not here (any more)."""
+        self.sweep()
+        if engine_id != self.engine_id or not isinstance(request_id, str):
+            return None
+        held = self._held.get(request_id)
+        if held is None:
+            return None
+        self._release(request_id, expired=False)
+        self.c.sent_blocks += held.blocks
+        return held
+
+    def sweep(self) -> None:
+        """Free the blocks nobody read in time."""
+        now = time.monotonic()
+        while self._held:
+            rid, held = next(iter(self._held.items()))
+            if held.expires > now:
+                break
+            self._release(rid, expired=True)
+
+    def _release(self, request_id: str, expired: bool) -> None:
+        held = self._held.pop(request_id)
+        held.free()
+        if expired:
+            self.c.expired += 1
+        self.c.held = len(self._held)
+
+    # -- decode side -----------------------------------------------------------------------------
+
+    @staticmethod
+    def wants_remote_decode(params: Any) -> bool:
+        return isinstance(params, dict) and bool(params.get("do_remote_decode"))
+
+    def usable(self, params: Any) -> bool:
+        """Whether ``params`` ask this replica to read a prompt's KV from a prefill side (a warning and False
+        when they ask but lack a field, as vLLM: the prompt is then computed here)."""
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return False
+        self.c.last_params = {k: v for k, v in params.items() if k != "remote_block_ids"}
+        if not params.get("remote_block_ids") or not all(k in params for k in REQUIRED):
+            self.c.ignored += 1
+            log.warning("Got invalid KVTransferParams: %s. This request will not utilize KVTransfer",
+                        json.dumps(params)[:500])
+            return False
+        return True
+
+    async def read(self, params: dict[str, Any], tokens: int) -> None:
+        """Read ``tokens`` of a prompt's KV from the prefill side ``params`` name, taking the link's time.
+        Raises :class:`TransferFailed` when the blocks are not there or the side cannot be reached."""
+        started = time.monotonic()
+        body = json.dumps({"remote_engine_id": params["remote_engine_id"],
+                           "remote_request_id": params["remote_request_id"]}).encode()
+        try:
+            async with asyncio.timeout(self.read_timeout_s):
+                status = await _post(str(params["remote_host"]), int(params["remote_port"]), "/sim/kv_pull", body)
+        except (OSError, TimeoutError, ValueError, TypeError) as e:
+            self.c.failed += 1
+            raise TransferFailed(f"cannot reach the prefill side: {e}") from None
+        if status != 200:
+            self.c.failed += 1
+            raise TransferFailed(f"the prefill side does not hold request {params['remote_request_id']!r}")
+        seconds = self.latency_s + tokens * self.kv_bytes_per_token / self.bandwidth
+        await asyncio.sleep(seconds * self.time_scale)
+        self.c.transfers += 1
+        self.c.received_tokens += tokens
+        self.c.transfer_seconds += time.monotonic() - started
+
+
+async def _post(host: str, port: int, path: str, body: bytes) -> int:
+    """One HTTP/1.1 POST on a connection of its own: the answer's status."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nhost: " + host.encode() + b"\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
+                     + body)
+        await writer.drain()
+        line = await reader.readline()
+        parts = line.split()
+        if len(parts) < 2 or not parts[1].isdigit():
+            raise ValueError(f"not an HTTP answer: {line[:80]!r}")
+        await reader.read()  # to the close
+        return int(parts[1])
+    finally:
+        writer.close()
