@@ -53,6 +53,11 @@ class Call:
     splice: Splice | None = None  # set while another replica continues the stream
     continued: bytes | None = None  # the request body that asks for the continuation
     method: bytes = b"POST"
+    # split into a prefill and a decode (router.disaggregation): the replica that prefilled it, and the body
+    # sent for its decode (the client's, with the prefill's transfer parameters); None: prefill (again) first
+    split: bool = False
+    prefill_replica: str | None = None
+    decode_body: bytes | None = None
 
     def first_byte(self, ticket: Ticket, status: int) -> None:
         """The attempt's first byte came: routing hears it, and (for the answer's first) the time is taken."""
@@ -91,6 +96,8 @@ def response_headers(call: Call, ticket: Ticket, raw: list[tuple[bytes, bytes]])
     out = [(k, v) for k, v in raw if k not in HOP_BY_HOP]
     out.append((b"x-request-id", call.request_id.encode("latin-1")))
     out.append((b"x-kvroute-replica", ticket.name.encode("latin-1")))
+    if call.prefill_replica is not None:
+        out.append((b"x-kvroute-prefill-replica", call.prefill_replica.encode("latin-1")))
     if ticket.reason is not None:
         out.append((b"x-kvroute-cached-tokens", b"%d" % ticket.cached_tokens))
     return out

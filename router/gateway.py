@@ -18,6 +18,7 @@ from .auth import Auth
 from .candidates import Candidates
 from .config import RouterConfig
 from .conversations import Conversations
+from .disaggregation import Splitter
 from .errors import GatewayError
 from .replica_events import EventBus
 from .index import PrefixIndex
@@ -103,7 +104,8 @@ class Gateway:
             assert self.store is not None
             self.shared_conversations = SharedConversations(self.store, conversations, self.load,
                                                             config.shared_load, self.shared_load.id)
-        self.forwarder = Forwarder(self.decider, self.pool, config.proxy, self.metrics, config.client.send_timeout_s)
+        self.forwarder = Forwarder(self.decider, self.pool, config.proxy, self.metrics, config.client.send_timeout_s,
+                                   Splitter(self.pool, config.disaggregation))
         self.membership = Membership(config, self.pool, self.store)
         self.auth = Auth(config.auth)
         self.started = time.time()

@@ -47,6 +47,12 @@ class Metrics:
         self.retries = Counter(
             "kvroute_retries", "Requests sent again to another replica, by the reason of the failed attempt.",
             ["reason"], registry=r)
+        self.disaggregated = Counter(
+            "kvroute_disaggregated_requests", "Requests split into a prefill and a decode, by how the split went: "
+            "split (the decode read the prefill's KV), no_transfer_params (the prefill named none: the decode "
+            "computed the prompt), prefill_failed (no prefill replica answered: the decode computed it), "
+            "prefill_again (a decode attempt failed after it may have read the KV: prefilled once more).",
+            ["outcome"], registry=r)
         self.upstream_errors = Counter(
             "kvroute_upstream_errors", "Failures talking to a replica, by kind.", ["replica", "kind"], registry=r)
         # process_resident_memory_bytes, process_open_fds, ...: what a soak or a leak shows first

@@ -12,6 +12,11 @@ breaks or stays silent longer than ``proxy.stream_idle_timeout_s`` goes on on an
 when the request qualifies (:mod:`router.stream_failover`), else it is ended with an SSE error event.
 When the client disconnects, the upstream request is closed at once, which makes vLLM abort it
 and free its KV blocks.
+
+A request the router splits (:mod:`router.disaggregation`) is first sent, changed, to a prefill replica, whose
+answer is read here and never reaches the client; the attempts above then send the client's request with the
+prefill's transfer parameters to decode replicas. A decode attempt that fails after its request went out (the
+replica may have read the prefill's KV, which is then gone) is preceded by another prefill.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 from .call import HOP_BY_HOP, Call, ClientStalled, WriteWatch, response_headers
 from .config import ProxyConfig
+from .disaggregation import Splitter, decode_body, prefill_body, transfer_params
 from .errors import GatewayError, send_error, sse_error
 from .stream_failover import Splice, SpliceError, continuation
 from .failure_kinds import KINDS, FailureKind
@@ -57,12 +63,13 @@ class _Failure:
 
 class Forwarder:
     def __init__(self, decider: Decider, pool: ReplicaPool, cfg: ProxyConfig, metrics: Metrics,
-                 send_timeout_s: float = 60.0) -> None:
+                 send_timeout_s: float = 60.0, splitter: Splitter | None = None) -> None:
         self.decider = decider
         self.pool = pool
         self.cfg = cfg
         self.metrics = metrics
         self.send_timeout_s = send_timeout_s
+        self.splitter = splitter
 
     async def __call__(self, call: Call, receive: Any, send: Any) -> None:
         """Serve ``call`` on the ASGI connection; returns once the client has its whole answer or left."""
@@ -140,7 +147,16 @@ class Forwarder:
 
     async def _serve(self, call: Call, send: Any) -> None:
         failure: _Failure | None = None
+        if self.splitter is not None:
+            await self.decider.prepare(call.route)
+            call.split = self.splitter.split(call.route)
+        decode_tried: dict[str, int] = {}
         while True:
+            if call.split and call.decode_body is None:
+                call.route.exclude = {}  # the prefill's own: a replica that failed a decode may still prefill
+                if not await self._prefill(call, send):
+                    return  # answered: the client's own error
+                call.route.exclude = decode_tried
             try:
                 ticket = await self.decider.route(call.route)
             except GatewayError:
@@ -165,6 +181,9 @@ class Forwarder:
                     call.outcome = "continued"
                 return
             ticket.failed(failure.kind)
+            if call.split and not failure.resume and failure.kind not in ("connect", "connect_timeout"):
+                call.decode_body = None  # the request went out: the replica may have read (and so used up) the KV
+                self.metrics.disaggregated.labels("prefill_again").inc()
             if failure.resume:  # counted as an upstream error where the stream broke
                 assert call.resume is not None
                 call.resume.flush()  # half an event the broken stream left: never sent, and dropped now
@@ -192,7 +211,7 @@ class Forwarder:
         replica = ticket.replica
         assert replica.upstream is not None
         headers = b"%sx-request-id: %s\r\n%s" % (call.headers, call.request_id.encode("latin-1"), replica.header_lines)
-        body = call.body if call.continued is None else call.continued
+        body = call.continued or call.decode_body or call.body
         wait = self.cfg.stream_idle_timeout_s if call.stream else self.cfg.request_timeout_s
         # a stream's headers come as soon as vLLM accepts the request; a JSON answer's with the whole answer
         headers_wait = min(wait, self.cfg.stream_headers_timeout_s) if call.stream else wait
@@ -329,6 +348,79 @@ class Forwarder:
                     "more_body": False})
         return None
 
+    async def _prefill(self, call: Call, send: Any) -> bool:
+        """The prefill half of a split request, tried on prefill replicas until one answers with transfer
+        parameters; then its decode half goes with them (without: the decode replica computes the prompt).
+        Returns False when the client has been answered instead (a 4xx of the replica's: its own error)."""
+        req = call.route
+        body = prefill_body(call.body)
+        req.phase = "decode"
+        if body is None:  # not a JSON object: the decode replica judges it
+            call.decode_body = call.body
+            return True
+        req.phase = "prefill"
+        tries = 0
+        params: dict[str, Any] | None = None
+        outcome = "prefill_failed"
+        try:
+            while tries < self.cfg.max_attempts:
+                try:
+                    ticket = await self.decider.route(req)
+                except GatewayError:
+                    break  # no prefill replica (left) to try
+                tries += 1
+                try:
+                    failure, answer = await self._prefill_attempt(call, ticket, body)
+                except BaseException:  # the client left: the replica's request was closed, which aborts it
+                    ticket.finish(499)
+                    raise
+                if failure is None:
+                    assert answer is not None
+                    ticket.finish(200)
+                    params = transfer_params(answer)
+                    call.prefill_replica = ticket.name
+                    outcome = "split" if params is not None else "no_transfer_params"
+                    if params is None:
+                        log.warning("prefill on %s named no KV to read; the decode replica computes the prompt",
+                                    ticket.name, extra={"request_id": call.request_id, "replica": ticket.name})
+                    break
+                if failure.status is not None and 400 <= failure.status < 500 and failure.status != 429:
+                    ticket.finish(failure.status)  # the client's own error: the decode would answer it too
+                    await self._give_up(call, send, failure)
+                    return False
+                ticket.failed(failure.kind)
+                self.metrics.upstream_errors.labels(ticket.name, failure.kind).inc()
+                log.info("prefill on %s failed (%s)", ticket.name, failure.kind,
+                         extra={"request_id": call.request_id, "replica": ticket.name})
+        finally:
+            req.phase = "decode"
+        self.metrics.disaggregated.labels(outcome).inc()
+        call.decode_body = decode_body(call.body, params)
+        return True
+
+    async def _prefill_attempt(self, call: Call, ticket: Ticket, body: bytes) -> tuple[_Failure | None, bytes | None]:
+        """One prefill on one replica: its whole JSON answer, or the failure (a 4xx with its answer)."""
+        replica = ticket.replica
+        assert replica.upstream is not None
+        headers = b"%sx-request-id: %s\r\n%s" % (call.headers, call.request_id.encode("latin-1"), replica.header_lines)
+        wait = self.cfg.request_timeout_s
+        try:
+            upstream = await replica.upstream.request(call.method, call.path, headers, body, wait)
+        except UpstreamError as e:
+            return _Failure(ticket.name, e.kind), None
+        try:
+            ticket.first_byte(upstream.status)  # the prompt is computed: no longer pending there
+            try:
+                answer = await upstream.read(_BUFFERED, wait)
+            except UpstreamError as e:
+                return _Failure(ticket.name, "timeout" if isinstance(e, ReadTimeout) else "body_broken"), None
+            if upstream.status == 200 and upstream.complete:
+                return None, answer
+            kind = "status_429" if upstream.status == 429 else "status_5xx" if upstream.status >= 500 else "body_broken"
+            return _Failure(ticket.name, kind, upstream.status, upstream.headers, answer[:_MAX_ERROR_BODY]), None
+        finally:
+            upstream.release()
+
     def _broke(self, call: Call, ticket: Ticket, e: Exception) -> FailureKind:
         """An answer broke after it started: counted, logged, and named."""
         idle = isinstance(e, ReadTimeout)
@@ -378,6 +470,8 @@ class Forwarder:
         if ticket is not None and ticket.reason is not None:
             decision = {"prompt_tokens": call.route.prompt_tokens, "cached_tokens": ticket.cached_tokens,
                         "decision": ticket.reason}
+        if call.prefill_replica is not None:
+            decision["prefill_replica"] = call.prefill_replica
         log.info("%s %s -> %s %d %s", call.path, call.model, call.replica, call.status, call.outcome,
                  extra={"request_id": call.request_id, "replica": call.replica, "model": call.model,
                         "status": call.status, "outcome": call.outcome, "attempts": call.attempts,

@@ -40,7 +40,12 @@ class RouteRequest:
     continues: Continuation | None = None  # the answered prompt's tail it holds, if one waits
     session_replica: str | None = None
     candidates: tuple[str, ...] | None = None  # the replicas its decision weighs (None: every replica)
+    # whole; or, split between two replicas (router.disaggregation), its prefill or its decode
+    phase: str = "whole"
 
     def uncached(self, replica: str) -> int:
-        """Prompt tokens ``replica`` would have to prefill (as the prefix index predicts)."""
+        """Prompt tokens ``replica`` would have to prefill (as the prefix index predicts); none for the decode of
+        a split request, which reads its prompt's KV from the replica that prefilled it."""
+        if self.phase == "decode":
+            return 0
         return max(0, self.prompt_tokens - self.cached.get(replica, 0))

@@ -25,6 +25,7 @@ class ReplicaView(NamedTuple):
     kv_usage: float = 0.0  # at the last scrape
     external_load: float = 0.0  # other clients' requests at the last scrape
     restarts: int = 0  # restarts the router saw (a new process: one that failed a request may be tried again)
+    role: str = "both"  # both, prefill or decode (disaggregated prefill and decode)
     # from the load table, at the decision (these three stay last: see with_load)
     drained: bool = False  # an operator stopped new requests to it
     inflight: int = 0

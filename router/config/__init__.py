@@ -13,12 +13,12 @@ from .fields import ConfigError, mask_url
 from .load import env_overrides, load_config, reference, set_path
 from .replica import ReplicaConfig, parse_replica_spec, replica_from
 from .sections import (POLICIES, PRESETS, AuthConfig, CacheAwareConfig, CandidatesConfig, ClientConfig,
-                       ConversationsConfig, HealthConfig, IndexConfig, KvEventsConfig, LogConfig, MembershipConfig,
+                       ConversationsConfig, DisaggregationConfig, HealthConfig, IndexConfig, KvEventsConfig, LogConfig, MembershipConfig,
                        PolicyConfig, PrefixConfig, ProxyConfig, QueueConfig, RouterConfig, SessionConfig,
                        SharedLoadConfig, StageConfig)
 
 __all__ = ["POLICIES", "PRESETS", "AuthConfig", "CacheAwareConfig", "CandidatesConfig", "ClientConfig", "ConfigError",
-           "ConversationsConfig", "HealthConfig", "IndexConfig", "KvEventsConfig", "LogConfig", "MembershipConfig",
+           "ConversationsConfig", "DisaggregationConfig", "HealthConfig", "IndexConfig", "KvEventsConfig", "LogConfig", "MembershipConfig",
            "PolicyConfig", "PrefixConfig", "ProxyConfig", "QueueConfig", "ReplicaConfig", "RouterConfig",
            "SessionConfig", "SharedLoadConfig", "StageConfig", "env_overrides", "load_config", "mask_url",
            "parse_replica_spec", "reference", "replica_from", "set_path"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -43,6 +43,10 @@ class ReplicaConfig(_Model):
     kv_events_replay: str | None = Field(None, description="its replay endpoint (tcp://HOST:PORT), with kv_events")
     data_parallel_size: int = Field(1, ge=1, le=64, description="data-parallel ranks behind the URL; with kv_events "
                                     "each rank publishes on the next port")
+    role: Literal["both", "prefill", "decode"] = Field("both", description="what it does in a disaggregated fleet: "
+                                                       "both (whole requests, and either phase of a split one), prefill "
+                                                       "or decode only (started with a KV connector, e.g. vLLM's "
+                                                       "NixlConnector; see Disaggregated prefill and decode)")
 
     @field_validator("kv_events", "kv_events_replay")
     @classmethod

@@ -214,6 +214,17 @@ class StageConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
+class DisaggregationConfig(_Model):
+    """When a request is split into a prefill on one replica and a decode on another (see router.disaggregation)."""
+
+    enabled: bool = Field(True, description="split requests where the fleet has prefill or decode replicas (roles); "
+                          "off: every request goes whole to a replica of role both")
+    min_uncached_tokens: int = Field(1024, ge=0, description="a request is split when the best replica of role both "
+                                     "would have to prefill at least this many of its prompt tokens (the index's "
+                                     "prediction); a shorter prefill is cheaper there whole. Without a replica of "
+                                     "role both every request is split")
+
+
 class PolicyConfig(_Model):
     """A routing pipeline: filters in order, weighted scorers, a picker."""
 
@@ -301,6 +312,7 @@ class RouterConfig(_Model):
     candidates: CandidatesConfig = Field(default_factory=CandidatesConfig)
     shared_load: SharedLoadConfig = Field(default_factory=SharedLoadConfig)
     conversations: ConversationsConfig = Field(default_factory=ConversationsConfig)
+    disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     log: LogConfig = Field(default_factory=LogConfig)

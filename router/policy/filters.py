@@ -53,4 +53,15 @@ class BelowCapacity(Filter):
         return view.inflight < view.max_num_seqs
 
 
-DEFAULT_FILTERS = ("ready", "serves-model", "not-drained", "not-tried", "below-capacity")
+@register_filter("role")
+class Role(Filter):
+    """A whole request goes to a replica of role both; a split one's prefill to prefill or both, its decode to
+    decode or both."""
+
+    when_empty = "no_role"
+
+    def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
+        return view.role == "both" or view.role == req.phase
+
+
+DEFAULT_FILTERS = ("ready", "serves-model", "role", "not-drained", "not-tried", "below-capacity")

@@ -88,7 +88,7 @@ class Replica:
             prefill_marginal_s=min(self.kind_prefill[1] or 0.0, 1.0 / self.prefill_rate),
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             kv_usage=self.stats.kv_usage if self.stats is not None else 0.0, external_load=self.external_load,
-            restarts=self.restarts)
+            restarts=self.restarts, role=cfg.role)
 
     @property
     def kind(self) -> Kind:
@@ -147,6 +147,7 @@ class Replica:
             "ready": self.ready,
             "models": sorted(self.models),
             "platform": self.config.platform,
+            "role": self.config.role,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "pipeline_parallel_size": self.config.pipeline_parallel_size,
             "max_num_seqs": self.slots,

@@ -1,0 +1,131 @@
+"""Disaggregated prefill and decode: whether a request is split between two replicas, and the bodies of its two
+halves, as vLLM's KV-transfer protocol (its NixlConnector and example proxy) has them.
+
+A split request is sent first to a prefill replica (role ``prefill`` or ``both``) with
+``kv_transfer_params: {"do_remote_decode": true, ...}``, ``max_tokens: 1``, not streamed; that replica computes
+the prompt's KV, keeps it, and answers ``kv_transfer_params`` naming where it is. The client's own request then
+goes to a decode replica (role ``decode`` or ``both``) with those parameters: it reads the KV instead of
+computing the prompt and generates the answer the client gets (its usage counts the prompt once).
+
+When to split is decided per request (:meth:`Splitter.split`): only where the model has replicas of role
+``prefill`` or ``decode``; always where no replica of role ``both`` serves it; otherwise when the best of those
+would have to prefill at least ``disaggregation.min_uncached_tokens`` of the prompt (a short prefill costs less
+than a second request and a transfer). The forwarder (:mod:`router.proxy`) sends the halves.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .config import DisaggregationConfig
+from .replicas import ReplicaPool
+from .request import RouteRequest
+
+# The endpoints vLLM's connector can split (the others go whole).
+SPLITTABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
+# What a decode replica needs of the prefill's answer (vLLM's NixlConnector scheduler)
+REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
+MAX_PARAMS_BYTES = 64 * 1024  # transfer parameters larger than this are not passed on (the prompt is recomputed)
+
+
+REFRESH_S = 0.05  # the fleet's roles per model are read again at most this often
+
+
+@dataclass(frozen=True)
+class _Roles:
+    whole: int  # ready replicas of role both
+    split: bool  # some ready replica does one phase only
+
+
+class Splitter:
+    def __init__(self, pool: ReplicaPool, cfg: DisaggregationConfig) -> None:
+        self.pool = pool
+        self.cfg = cfg
+        self._roles: dict[str, _Roles] = {}  # per model served, as of _at
+        self._at = -1.0
+
+    def split(self, req: RouteRequest) -> bool:
+        """Whether ``req`` (prepared: keyed and looked up) goes to a prefill and a decode replica."""
+        if not self.cfg.enabled or req.endpoint not in SPLITTABLE or req.model is None or req.pinned is not None:
+            return False
+        roles = self._current().get(req.model)
+        if roles is None or not roles.split:
+            return False  # no replica that does one phase only: nothing to split for
+        if not roles.whole:
+            return True
+        if not req.prompt_tokens:
+            return False  # not keyed: its prefill cannot be told long
+        # the replicas its decision weighs (all, or on a large fleet a few): the best cache among those of role both
+        get = self.pool.get
+        cached = 0
+        for name, tokens in req.cached.items():
+            r = get(name)
+            if tokens > cached and r is not None and r.view.role == "both":
+                cached = tokens
+        return req.prompt_tokens - cached >= self.cfg.min_uncached_tokens
+
+    def _current(self) -> dict[str, _Roles]:
+        now = time.monotonic()
+        if now - self._at >= REFRESH_S:
+            whole: dict[str, int] = {}
+            split: set[str] = set()
+            for r in self.pool:
+                view = r.view
+                if not view.ready:
+                    continue
+                for model in view.models:
+                    if view.role == "both":
+                        whole[model] = whole.get(model, 0) + 1
+                    else:
+                        split.add(model)
+            self._roles = {m: _Roles(whole.get(m, 0), m in split) for m in whole.keys() | split}
+            self._at = now
+        return self._roles
+
+
+def prefill_body(body: bytes) -> bytes | None:
+    """The prefill half of a client's JSON request: one token, not streamed, its KV kept for a remote decode.
+    None if the body is not a JSON object (it then goes whole, and the replica judges it)."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(payload, dict):
+        return None
+    payload["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    payload["stream"] = False
+    payload["max_tokens"] = 1
+    if "max_completion_tokens" in payload:
+        payload["max_completion_tokens"] = 1
+    for name in ("stream_options", "min_tokens", "min_completion_tokens"):  # not for one token
+        payload.pop(name, None)
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def transfer_params(answer: bytes) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` of a prefill's JSON answer, if they name KV a decode replica can read."""
+    try:
+        payload = json.loads(answer)
+    except (ValueError, RecursionError):
+        return None
+    params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
+    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+        return None
+    if not all(params.get(k) not in (None, "", []) for k in REQUIRED):
+        return None
+    if len(json.dumps(params)) > MAX_PARAMS_BYTES:
+        return None
+    return params
+
+
+def decode_body(body: bytes, params: dict[str, Any] | None) -> bytes:
+    """The client's request with the prefill's transfer parameters (without any: as the client sent it)."""
+    if params is None:
+        return body
+    payload = json.loads(body)
+    payload["kv_transfer_params"] = params
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
