@@ -7,7 +7,8 @@ the prompt's KV, keeps it, and answers ``kv_transfer_params`` naming where it is
 goes to a decode replica (role ``decode`` or ``both``) with those parameters: it reads the KV instead of
 computing the prompt and generates the answer the client gets (its usage counts the prompt once).
 
-When to split is decided per request (:meth:`Splitter.split`): only where the model has replicas of role
+When to split is decided per request (:meth:`Splitter.split`, from the fleet's roles per model, kept as replicas
+change rather than read per request): only where the model has replicas of role
 ``prefill`` or ``decode``; always where no replica of role ``both`` serves it; otherwise when the best of those
 would have to prefill at least ``disaggregation.min_uncached_tokens`` of the prompt (a short prefill costs less
 than a second request and a transfer). The forwarder (:mod:`router.proxy`) sends the halves.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import DisaggregationConfig
+from .replica_events import EventBus
 from .replicas import ReplicaPool
 from .request import RouteRequest
 
@@ -31,7 +33,7 @@ REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port
 MAX_PARAMS_BYTES = 64 * 1024  # transfer parameters larger than this are not passed on (the prompt is recomputed)
 
 
-REFRESH_S = 0.05  # the fleet's roles per model are read again at most this often
+REFRESH_S = 1.0  # the fleet's roles per model are read again this often, and at once when a replica changes
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,15 @@ class _Roles:
 
 
 class Splitter:
-    def __init__(self, pool: ReplicaPool, cfg: DisaggregationConfig) -> None:
+    def __init__(self, pool: ReplicaPool, cfg: DisaggregationConfig, events: EventBus) -> None:
         self.pool = pool
         self.cfg = cfg
         self._roles: dict[str, _Roles] = {}  # per model served, as of _at
         self._at = -1.0
+        events.subscribe(self._on_event)
+
+    def _on_event(self, event: object) -> None:
+        self._at = -1.0  # a replica came, went, became (un)ready or serves other models: read the roles again
 
     def split(self, req: RouteRequest) -> bool:
         """Whether ``req`` (prepared: keyed and looked up) goes to a prefill and a decode replica."""

@@ -105,7 +105,7 @@ class Gateway:
             self.shared_conversations = SharedConversations(self.store, conversations, self.load,
                                                             config.shared_load, self.shared_load.id)
         self.forwarder = Forwarder(self.decider, self.pool, config.proxy, self.metrics, config.client.send_timeout_s,
-                                   Splitter(self.pool, config.disaggregation))
+                                   Splitter(self.pool, config.disaggregation, self.events))
         self.membership = Membership(config, self.pool, self.store)
         self.auth = Auth(config.auth)
         self.started = time.time()

@@ -1,0 +1,117 @@
+"""When a request is split into a prefill and a decode, and the bodies of its halves (vLLM's KV-transfer
+protocol), on a pool of replicas marked ready (no process: pure decisions)."""
+
+import json
+
+from router.config import RouterConfig
+from router.disaggregation import Splitter, decode_body, prefill_body, transfer_params
+from router.gateway import Gateway
+from router.policy import Role
+from router.request import RouteRequest
+from router.view import ReplicaView
+
+PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
+          "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "10.0.0.1", "remote_port": 5600,
+          "tp_size": 8}
+
+
+def splitter(roles: list[str], **settings) -> tuple[Splitter, Gateway]:
+    config = RouterConfig.model_validate({
+        "replicas": [{"name": f"{role}{i}", "url": f"http://127.0.0.1:{9 + i}", "models": ["m"], "role": role}
+                     for i, role in enumerate(roles)], "disaggregation": settings})
+    gw = Gateway(config)
+    for r in gw.pool:
+        gw.pool.health.mark_success(r)
+    return Splitter(gw.pool, config.disaggregation, gw.events), gw
+
+
+def request(prompt_tokens: int = 0, cached: dict[str, int] | None = None, endpoint: str = "/v1/completions",
+            model: str = "m") -> RouteRequest:
+    r = RouteRequest(model=model, request_id="r", endpoint=endpoint)
+    r.prompt_tokens, r.cached = prompt_tokens, dict(cached or {})
+    return r
+
+
+def test_a_fleet_of_role_both_only_never_splits():
+    s, _ = splitter(["both", "both"])
+    assert not s.split(request(100_000))
+
+
+def test_without_a_replica_of_role_both_every_request_is_split_even_an_unkeyed_one():
+    s, _ = splitter(["prefill", "decode"])
+    assert s.split(request(0)) and s.split(request(10))
+
+
+def test_a_long_uncached_prompt_is_split_and_a_short_one_is_not():
+    s, _ = splitter(["both", "prefill", "decode"], min_uncached_tokens=1000)
+    assert s.split(request(1000)) and not s.split(request(999))
+
+
+def test_a_prompt_mostly_cached_on_a_replica_of_role_both_goes_whole():
+    s, _ = splitter(["both", "prefill", "decode"], min_uncached_tokens=1000)
+    assert not s.split(request(5000, {"both0": 4500}))
+    # the prefill replica's cache does not count against splitting: the split would use it
+    assert s.split(request(5000, {"prefill1": 4500}))
+
+
+def test_other_endpoints_pinned_requests_and_unknown_models_go_whole():
+    s, _ = splitter(["prefill", "decode"])
+    assert not s.split(request(5000, endpoint="/v1/embeddings"))
+    assert not s.split(request(5000, model="other"))
+    pinned = request(5000)
+    pinned.pinned = "decode1"
+    assert not s.split(pinned)
+
+
+def test_switched_off_nothing_is_split():
+    s, _ = splitter(["prefill", "decode"], enabled=False)
+    assert not s.split(request(5000))
+
+
+def test_the_roles_are_read_again_when_a_replica_becomes_unready():
+    s, gw = splitter(["both", "prefill", "decode"])
+    assert not s.split(request(10))
+    both = gw.pool.get("both0")
+    assert both is not None
+    gw.pool.health.mark_failure(both, "down", immediate=True)
+    assert not both.ready and s.split(request(10))
+
+
+def test_the_role_filter_keeps_both_for_every_phase_and_one_phase_replicas_for_theirs():
+    keep = Role().keep
+    r = request()
+    views = {role: ReplicaView(name=role, role=role) for role in ("both", "prefill", "decode")}
+    for phase, kept in (("whole", {"both"}), ("prefill", {"both", "prefill"}), ("decode", {"both", "decode"})):
+        r.phase = phase
+        assert {n for n, v in views.items() if keep(r, v)} == kept
+
+
+def test_the_prefill_half_asks_one_token_for_a_remote_decode_and_keeps_the_rest():
+    body = json.dumps({"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True},
+                       "max_tokens": 50, "max_completion_tokens": 50, "min_tokens": 5, "temperature": 0.3}).encode()
+    sent = json.loads(prefill_body(body))
+    assert sent["kv_transfer_params"]["do_remote_decode"] is True
+    assert sent["kv_transfer_params"]["do_remote_prefill"] is False
+    assert (sent["max_tokens"], sent["max_completion_tokens"], sent["stream"]) == (1, 1, False)
+    assert "stream_options" not in sent and "min_tokens" not in sent
+    assert sent["temperature"] == 0.3 and sent["messages"] == []
+    assert prefill_body(b"[1, 2]") is None and prefill_body(b"{not json") is None
+
+
+def test_the_decode_half_is_the_clients_request_with_the_prefills_parameters():
+    body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 50, "stream": True}).encode()
+    sent = json.loads(decode_body(body, PARAMS))
+    assert sent == {"model": "m", "prompt": "x", "max_tokens": 50, "stream": True, "kv_transfer_params": PARAMS}
+    assert decode_body(body, None) is body
+
+
+def test_transfer_parameters_are_taken_only_when_they_name_kv_to_read():
+    answer = {"choices": [], "kv_transfer_params": PARAMS}
+    assert transfer_params(json.dumps(answer).encode()) == PARAMS
+    for broken in ({**PARAMS, "remote_request_id": None}, {**PARAMS, "do_remote_prefill": False},
+                   {k: v for k, v in PARAMS.items() if k != "remote_host"}, {**PARAMS, "remote_block_ids": []},
+                   "not a dict", None):
+        assert transfer_params(json.dumps({"kv_transfer_params": broken}).encode()) is None
+    assert transfer_params(b"not json") is None and transfer_params(b"[]") is None
+    huge = {**PARAMS, "remote_block_ids": [list(range(20_000))]}
+    assert transfer_params(json.dumps({"kv_transfer_params": huge}).encode()) is None
