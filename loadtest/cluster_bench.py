@@ -68,7 +68,8 @@ class RouterSpec:
         urls = fleet.urls
         text = self.command.format(python=shlex.quote(sys.executable), port=port, metrics_port=free_port(),
                                    urls=" ".join(urls), replica_args=" ".join(f"--replica {u}" for u in urls),
-                                   config=shlex.quote(str(fleet.config_path)), redis=redis)
+                                   config=shlex.quote(str(fleet.config_path)),
+                                   config_aggregated=shlex.quote(str(fleet.aggregated_path)), redis=redis)
         argv = shlex.split(text)
         argv[0] = _executable(argv[0]) or argv[0]
         return argv
@@ -97,6 +98,7 @@ class Fleet:
     procs: list[Proc] = field(default_factory=list)
     urls: list[str] = field(default_factory=list)
     config_path: Path = Path()
+    aggregated_path: Path = Path()  # the same replicas, every one of role both (no request split)
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -106,13 +108,19 @@ class Fleet:
 def groups(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """The cluster's groups of like replicas (``cluster.groups``, or the cluster itself as one group)."""
     c = cfg["cluster"]
-    return c.get("groups") or [{k: c[k] for k in ("profile", "replicas", "num_gpu_blocks") if k in c}]
+    return c.get("groups") or [{k: c[k] for k in ("profile", "replicas", "num_gpu_blocks", "role") if k in c}]
+
+
+def disaggregated(cfg: dict[str, Any]) -> bool:
+    """Whether the cluster has replicas of role prefill or decode (each runs a KV connector then)."""
+    return any(g.get("role", "both") != "both" for g in groups(cfg))
 
 
 def start_cluster(cfg: dict[str, Any], out: Path, tag: str, root: Path) -> Fleet:
     c = cfg["cluster"]
-    fleet = Fleet(config_path=out / f"kvroute-{tag}.yaml")
+    fleet = Fleet(config_path=out / f"kvroute-{tag}.yaml", aggregated_path=out / f"kvroute-{tag}-aggregated.yaml")
     replicas = []
+    connector = disaggregated(cfg)
     try:
         for gi, g in enumerate(groups(cfg)):
             n, prof = int(g["replicas"]), PROFILES[g["profile"]]
@@ -122,6 +130,8 @@ def start_cluster(cfg: dict[str, Any], out: Path, tag: str, root: Path) -> Fleet
                 args.append("--kv-events")
             if g.get("num_gpu_blocks"):
                 args += ["--num-gpu-blocks", str(g["num_gpu_blocks"])]
+            if connector:  # as vllm --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+                args += ["--kv-connector", "NixlConnector"]
             for attempt in range(3):  # another process may take a port between the check and the bind
                 base = free_ports(n)
                 proc = simulator(base, "tiny", *args, log_dir=out, name=f"cluster-{tag}-{gi}").start()
@@ -139,11 +149,14 @@ def start_cluster(cfg: dict[str, Any], out: Path, tag: str, root: Path) -> Fleet
                 fleet.urls.append(url)
                 replicas.append({"url": url, "platform": prof.platform,
                                  "tensor_parallel_size": prof.tensor_parallel_size, "max_num_seqs": prof.max_num_seqs,
-                                 "max_num_batched_tokens": prof.max_num_batched_tokens})
+                                 "max_num_batched_tokens": prof.max_num_batched_tokens,
+                                 **({"role": g["role"]} if g.get("role", "both") != "both" else {})})
     except BaseException:
         fleet.stop()
         raise
     fleet.config_path.write_text(yaml.safe_dump({"replicas": replicas}, sort_keys=False))
+    whole = [{k: v for k, v in r.items() if k != "role"} for r in replicas]
+    fleet.aggregated_path.write_text(yaml.safe_dump({"replicas": whole}, sort_keys=False))
     return fleet
 
 
@@ -255,7 +268,8 @@ def run_router(spec: RouterSpec, cfg: dict[str, Any], sat: float, out: Path, roo
 
 def describe(cfg: dict[str, Any]) -> str:
     c = cfg["cluster"]
-    parts = [f"{g['replicas']} x `{g['profile']}` ({g.get('num_gpu_blocks') or PROFILES[g['profile']].num_gpu_blocks} "
+    parts = [f"{g['replicas']} x `{g['profile']}`{' ' + g['role'] if g.get('role', 'both') != 'both' else ''} "
+             f"({g.get('num_gpu_blocks') or PROFILES[g['profile']].num_gpu_blocks} "
              f"KV blocks of {PROFILES[g['profile']].block_size} tokens each)" for g in groups(cfg)]
     return " + ".join(parts) + f", time scale {c.get('time_scale', 1.0)}"
 
@@ -307,6 +321,20 @@ def verdicts(results: list[dict[str, Any]], mixed: bool = False) -> list[str]:
     return out
 
 
+def split_verdicts(results: list[dict[str, Any]]) -> list[str]:
+    """kvroute splitting requests against the same replicas taking them whole (kvroute-aggregated), at 70%."""
+    ours = next((r for r in results if r["router"] == "kvroute"), None)
+    whole = next((r for r in results if r["router"] == "kvroute-aggregated"), None)
+    a, b = (_row_at(ours, 0.7) if ours else None), (_row_at(whole, 0.7) if whole else None)
+    if not a or not b or not a.get("itl_p99_ms") or not b.get("itl_p99_ms") or not b["ttft_p90_ms"]:
+        return []
+    itl, ttft = a["itl_p99_ms"] / b["itl_p99_ms"], a["ttft_p90_ms"] / b["ttft_p90_ms"]
+    return [f"- Split against whole on the same replicas at 70% of saturation: inter-token latency p99 "
+            f"{a['itl_p99_ms']:.0f} against {b['itl_p99_ms']:.0f} ms, {itl:.2f}x (target <= 0.5: "
+            f"{'met' if itl <= 0.5 else 'NOT met'}); TTFT p90 {a['ttft_p90_ms']:.0f} against {b['ttft_p90_ms']:.0f} ms, "
+            f"{ttft:.2f}x (target <= 1.2: {'met' if ttft <= 1.2 else 'NOT met'})."]
+
+
 def report(cfg: dict[str, Any], sat: float, results: list[dict[str, Any]], skipped: dict[str, str]) -> str:
     w = cfg["workload"]
     lines = [f"#### Cluster benchmark: {cfg['name']}", "",
@@ -314,16 +342,16 @@ def report(cfg: dict[str, Any], sat: float, results: list[dict[str, Any]], skipp
              f"{cfg['requests_per_rate']} requests per rate; saturation measured at {sat:.2f} requests/s. "
              f"Reproduce: `python -m loadtest.cluster_bench --config {cfg['_path']}`.", ""]
     lines += ["| router | load | offered req/s | achieved req/s | output tok/s | TTFT p50 / p90 / p99 ms | "
-              "ITL p50 ms | hit rate | max/mean share | errors |", "|" + "---|" * 10]
+              "ITL p50 / p99 ms | hit rate | max/mean share | errors |", "|" + "---|" * 10]
     for res in results:
         for r in res["rows"]:
             lines.append(f"| {res['router']} | {r['load_fraction']:.0%} | {r['offered_rate']:.2f} | "
                          f"{r['achieved_rps']:.2f} | {r['output_tokens_per_s']:.0f} | {r['ttft_p50_ms']} / "
-                         f"{r['ttft_p90_ms']} / {r['ttft_p99_ms']} | {r['itl_p50_ms']} | {r['hit_rate']} | "
-                         f"{r['max_mean_share']} | {r['errors']} |")
+                         f"{r['ttft_p90_ms']} / {r['ttft_p99_ms']} | {r['itl_p50_ms']} / {r.get('itl_p99_ms')} | "
+                         f"{r['hit_rate']} | {r['max_mean_share']} | {r['errors']} |")
     for name, why in skipped.items():
         lines.append(f"\nSkipped {name}: {why}.")
-    found = verdicts(results, mixed=len(groups(cfg)) > 1)
+    found = verdicts(results, mixed=len(groups(cfg)) > 1) + split_verdicts(results)
     if found:
         lines += ["", "Targets:", ""] + found
     return "\n".join(lines) + "\n"

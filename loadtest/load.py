@@ -288,6 +288,7 @@ class Summary:
     ttft_p99_ms: float | None
     itl_p50_ms: float | None
     itl_p90_ms: float | None
+    itl_p99_ms: float | None
     e2e_p50_ms: float | None
     e2e_p90_ms: float | None
     hit_rate: float | None
@@ -313,13 +314,14 @@ def summarize(results: list[Result], wall: float, rate: float | None, concurrenc
                 share[r.replica] = share.get(r.replica, 0) + 1
     return Summary(rate, concurrency, len(results), len(results) - len(ok), round(len(ok) / wall, 3),
                    round(sum(r.output_tokens for r in ok) / wall, 1), ms(pct(ttft, 50)), ms(pct(ttft, 90)),
-                   ms(pct(ttft, 99)), ms(pct(itl, 50)), ms(pct(itl, 90)), ms(pct(e2e, 50)), ms(pct(e2e, 90)),
+                   ms(pct(ttft, 99)), ms(pct(itl, 50)), ms(pct(itl, 90)), ms(pct(itl, 99)), ms(pct(e2e, 50)),
+                   ms(pct(e2e, 90)),
                    None if hit_rate is None else round(hit_rate, 4), dict(sorted(share.items())),
                    round(max(share.values()) / statistics.mean(share.values()), 3) if share else None)
 
 
 def markdown(title: str, rows: list[Summary]) -> str:
-    head = ("| offered | requests/s | output tokens/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 ms | "
+    head = ("| offered | requests/s | output tokens/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | "
             "end-to-end p50 / p90 ms | hit rate | max/mean share | errors |")
     lines = [f"### {title}", "", head, "|" + "---|" * 9]
 
@@ -329,7 +331,7 @@ def markdown(title: str, rows: list[Summary]) -> str:
     for s in rows:
         offered = f"{s.offered_rate:g} req/s" if s.offered_rate is not None else f"{s.concurrency} in flight"
         lines.append(f"| {offered} | {f(s.achieved_rps)} | {f(s.output_tokens_per_s)} | {f(s.ttft_p50_ms)} / "
-                     f"{f(s.ttft_p90_ms)} / {f(s.ttft_p99_ms)} | {f(s.itl_p50_ms)} / {f(s.itl_p90_ms)} | "
+                     f"{f(s.ttft_p90_ms)} / {f(s.ttft_p99_ms)} | {f(s.itl_p50_ms)} / {f(s.itl_p90_ms)} / {f(s.itl_p99_ms)} | "
                      f"{f(s.e2e_p50_ms)} / {f(s.e2e_p90_ms)} | {f(s.hit_rate)} | {f(s.max_mean_share)} | {s.errors} |")
     return "\n".join(lines) + "\n"
 
