@@ -53,13 +53,23 @@ class Splitter:
     def _on_event(self, event: object) -> None:
         self._at = -1.0  # a replica came, went, became (un)ready or serves other models: read the roles again
 
+    def possible(self, req: RouteRequest) -> bool:
+        """Whether ``req`` might be split, before its prompt is looked at: where the model has replicas that do
+        one phase only (most fleets have none, and their requests are not looked at twice)."""
+        return self._roles_of(req) is not None
+
+    def _roles_of(self, req: RouteRequest) -> _Roles | None:
+        """The roles serving ``req``'s model, where it might be split; None where it goes whole anyway."""
+        if not self.cfg.enabled or req.endpoint not in SPLITTABLE or req.model is None or req.pinned is not None:
+            return None
+        roles = self._current().get(req.model)
+        return roles if roles is not None and roles.split else None
+
     def split(self, req: RouteRequest) -> bool:
         """Whether ``req`` (prepared: keyed and looked up) goes to a prefill and a decode replica."""
-        if not self.cfg.enabled or req.endpoint not in SPLITTABLE or req.model is None or req.pinned is not None:
+        roles = self._roles_of(req)
+        if roles is None:
             return False
-        roles = self._current().get(req.model)
-        if roles is None or not roles.split:
-            return False  # no replica that does one phase only: nothing to split for
         if not roles.whole:
             return True
         if not req.prompt_tokens:

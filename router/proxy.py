@@ -147,8 +147,8 @@ class Forwarder:
 
     async def _serve(self, call: Call, send: Any) -> None:
         failure: _Failure | None = None
-        if self.splitter is not None:
-            await self.decider.prepare(call.route)
+        if self.splitter is not None and self.splitter.possible(call.route):
+            await self.decider.prepare(call.route)  # the split depends on what its prompt would cost whole
             call.split = self.splitter.split(call.route)
         decode_tried: dict[str, int] = {}
         while True:

@@ -31,6 +31,7 @@ class RouteRequest:
     exclude: dict[str, int] = field(default_factory=dict)  # replica -> its restarts when it failed this request
     # filled by the router
     prepared: bool = False
+    prepare_s: float = 0.0  # what preparing it took, until its decision counts it
     key: "PromptKey | None" = None
     prompt_tokens: int = 0
     cached: dict[str, int] = field(default_factory=dict)  # predicted cached tokens per replica name

@@ -144,8 +144,11 @@ class Decider:
         ready or all drained or all tried), 429 (queue full or waited too long).
         """
         started = time.perf_counter()
-        if not req.prepared:
+        if req.prepared:
+            started -= req.prepare_s  # prepared ahead (to tell whether to split it): its time is this decision's
+        else:
             await self.prepare(req)
+        req.prepare_s = 0.0
         try:
             view, _, waited_s = await self.admission.admit(req)
         except NoCandidate as e:
@@ -192,6 +195,7 @@ class Decider:
         """Once per request: session, prompt key, the predicted cached tokens and the requests expected back
         per replica (and, where it is older than ``shared_load.max_age_s``, the other routers' load)."""
         req.prepared = True
+        started = time.perf_counter()
         shared = self.shared_load  # the other routers' placements until now, read beside the lookups
         fresh = asyncio.ensure_future(shared.refresh()) if shared is not None and shared.stale() else None
         if req.session_id is not None:
@@ -203,6 +207,7 @@ class Decider:
             await self._lookup(req)
         if fresh is not None:
             await fresh
+        req.prepare_s = time.perf_counter() - started
 
     async def _lookup(self, req: RouteRequest) -> None:
         """Fill ``req.cached`` and ``req.occupancy`` for the replicas its decision weighs (see

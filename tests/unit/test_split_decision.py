@@ -37,6 +37,13 @@ def test_a_fleet_of_role_both_only_never_splits():
     assert not s.split(request(100_000))
 
 
+def test_requests_on_a_fleet_without_one_phase_replicas_are_not_keyed_ahead_of_their_decision():
+    s, _ = splitter(["both", "both"])
+    assert not s.possible(request())
+    s, _ = splitter(["both", "prefill", "decode"])
+    assert s.possible(request()) and not s.possible(request(endpoint="/v1/embeddings"))
+
+
 def test_without_a_replica_of_role_both_every_request_is_split_even_an_unkeyed_one():
     s, _ = splitter(["prefill", "decode"])
     assert s.split(request(0)) and s.split(request(10))
