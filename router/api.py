@@ -144,6 +144,10 @@ class ProxyEndpoint:
             raise errors.bad_request(f"the field `{name}` is required", name, "missing_required_field")
         if self.path == "/v1/chat/completions" and not isinstance(payload["messages"], list):
             raise errors.bad_request("`messages` must be a list", "messages")
+        if "kv_transfer_params" in payload:
+            # the router's to set: from a client it could make a replica keep KV for a transfer nobody reads
+            raise errors.bad_request("`kv_transfer_params` is set by the router (disaggregated prefill and decode), "
+                                     "not by a client", "kv_transfer_params", "reserved_field")
         return payload
 
 

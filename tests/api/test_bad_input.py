@@ -39,6 +39,16 @@ def test_a_body_nested_past_the_parsers_limit_is_a_400_from_the_router(cluster):
     assert "Traceback" not in rt.log_tail()
 
 
+def test_a_client_cannot_send_kv_transfer_parameters_which_are_the_routers_to_set(cluster):
+    sim = cluster.sim("--kv-connector", "NixlConnector", "--ttft-ms", "2", "--itl-ms", "1")
+    rt = cluster.router([sim])
+    r = HTTP.post(rt.url + "/v1/completions", timeout=10, json={
+        "model": "tiny", "prompt": "x" * 2000, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "reserved_field"
+    state = HTTP.get(sim.url + "/sim/state", timeout=5).json()
+    assert state["counters"]["received"] == 0 and state["kv_transfer"]["held"] == 0
+
+
 def test_a_newline_in_the_model_name_cannot_forge_a_log_line(cluster):
     rt = cluster.router([cluster.sim()])
     forged = "tiny\n2026-01-01 00:00:00,000 INFO kvroute.proxy: /v1/chat/completions admin -> x 200 ok"
