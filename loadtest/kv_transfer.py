@@ -35,6 +35,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .h1client import H1Connection
+
 log = logging.getLogger("loadtest.kv_transfer")
 
 # What a decode side needs in kv_transfer_params to read from a prefill side (vLLM's NixlConnector scheduler)
@@ -57,7 +59,6 @@ class Held:
 
 @dataclass
 class TransferCounters:
-    held: int = 0  # prefill side: requests whose blocks are kept for a decode side now
     sent_blocks: int = 0  # prefill side: blocks read by decode sides
     expired: int = 0  # prefill side: requests whose blocks nobody read in time
     received_tokens: int = 0  # decode side: prompt tokens read from prefill sides
@@ -102,7 +103,6 @@ class KvTransfer:
             oldest = next(iter(self._held))
             self._release(oldest, expired=True)
         self._held[request_id] = Held(blocks, tokens, time.monotonic() + self.abort_timeout_s, free)
-        self.c.held = len(self._held)
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [list(range(blocks))],
                 "remote_engine_id": self.engine_id, "remote_request_id": request_id, "remote_host": self.host,
                 "remote_port": self.port, "tp_size": self.tp_size}
@@ -133,7 +133,11 @@ class KvTransfer:
         held.free()
         if expired:
             self.c.expired += 1
-        self.c.held = len(self._held)
+
+    @property
+    def held(self) -> int:
+        """Prefill side: requests whose blocks are kept for a decode side now."""
+        return len(self._held)
 
     # -- decode side -----------------------------------------------------------------------------
 
@@ -160,12 +164,17 @@ class KvTransfer:
         started = time.monotonic()
         body = json.dumps({"remote_engine_id": params["remote_engine_id"],
                            "remote_request_id": params["remote_request_id"]}).encode()
+        side: H1Connection | None = None
         try:
+            side = H1Connection(str(params["remote_host"]), int(params["remote_port"]))
             async with asyncio.timeout(self.read_timeout_s):
-                status = await _post(str(params["remote_host"]), int(params["remote_port"]), "/sim/kv_pull", body)
-        except (OSError, TimeoutError, ValueError, TypeError) as e:
+                status = (await side.post("/sim/kv_pull", body)).status
+        except (OSError, TimeoutError, ValueError, TypeError, asyncio.IncompleteReadError) as e:
             self.c.failed += 1
             raise TransferFailed(f"cannot reach the prefill side: {e}") from None
+        finally:
+            if side is not None:
+                await side.close()
         if status != 200:
             self.c.failed += 1
             raise TransferFailed(f"the prefill side does not hold request {params['remote_request_id']!r}")
@@ -175,20 +184,3 @@ class KvTransfer:
         self.c.received_tokens += tokens
         self.c.transfer_seconds += time.monotonic() - started
 
-
-async def _post(host: str, port: int, path: str, body: bytes) -> int:
-    """One HTTP/1.1 POST on a connection of its own: the answer's status."""
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nhost: " + host.encode() + b"\r\ncontent-type: "
-                     b"application/json\r\ncontent-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
-                     + body)
-        await writer.drain()
-        line = await reader.readline()
-        parts = line.split()
-        if len(parts) < 2 or not parts[1].isdigit():
-            raise ValueError(f"not an HTTP answer: {line[:80]!r}")
-        await reader.read()  # to the close
-        return int(parts[1])
-    finally:
-        writer.close()

@@ -427,7 +427,8 @@ class VLLMSimulator:
             out["engine"] = {"running": len(e.running), "waiting": len(e.waiting), "preemptions": e.preemptions,
                              "prefix_hits": e.prefix_hits, "prefix_queries": e.prefix_queries, "time": e.now}
         if self.transfer is not None:
-            out["kv_transfer"] = {"engine_id": self.transfer.engine_id, **asdict(self.transfer.c)}
+            out["kv_transfer"] = {"engine_id": self.transfer.engine_id, "held": self.transfer.held,
+                                  **asdict(self.transfer.c)}
             if e is not None:
                 out["kv_transfer"]["kept_blocks"] = sum(len(b) for b in e.kept.values())
         if self.kv_events is not None:

@@ -55,7 +55,6 @@ class Call:
     method: bytes = b"POST"
     # split into a prefill and a decode (router.disaggregation): the replica that prefilled it, and the body
     # sent for its decode (the client's, with the prefill's transfer parameters); None: prefill (again) first
-    split: bool = False
     prefill_replica: str | None = None
     decode_body: bytes | None = None
 

@@ -102,15 +102,19 @@ class Splitter:
         return self._roles
 
 
-def prefill_body(body: bytes) -> bytes | None:
-    """The prefill half of a client's JSON request: one token, not streamed, its KV kept for a remote decode.
-    None if the body is not a JSON object (it then goes whole, and the replica judges it)."""
+def request_object(body: bytes) -> dict[str, Any] | None:
+    """A client's JSON request, parsed once for both halves; None if it is not a JSON object (it then goes to
+    the decode replica as it came, which judges it)."""
     try:
         payload = json.loads(body)
     except (ValueError, RecursionError):
         return None
-    if not isinstance(payload, dict):
-        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def prefill_body(request: dict[str, Any]) -> bytes:
+    """The prefill half of a client's request: one token, not streamed, its KV kept for a remote decode."""
+    payload = dict(request)
     payload["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
     payload["stream"] = False
@@ -138,10 +142,6 @@ def transfer_params(answer: bytes) -> dict[str, Any] | None:
     return params
 
 
-def decode_body(body: bytes, params: dict[str, Any] | None) -> bytes:
-    """The client's request with the prefill's transfer parameters (without any: as the client sent it)."""
-    if params is None:
-        return body
-    payload = json.loads(body)
-    payload["kv_transfer_params"] = params
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+def decode_body(request: dict[str, Any], params: dict[str, Any]) -> bytes:
+    """The client's request with the prefill's transfer parameters."""
+    return json.dumps({**request, "kv_transfer_params": params}, separators=(",", ":"), ensure_ascii=False).encode()

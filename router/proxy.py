@@ -30,12 +30,12 @@ from typing import Any
 
 from .call import HOP_BY_HOP, Call, ClientStalled, WriteWatch, response_headers
 from .config import ProxyConfig
-from .disaggregation import Splitter, decode_body, prefill_body, transfer_params
+from .disaggregation import Splitter, decode_body, prefill_body, request_object, transfer_params
 from .errors import GatewayError, send_error, sse_error
 from .stream_failover import Splice, SpliceError, continuation
 from .failure_kinds import KINDS, FailureKind
 from .metrics import Metrics
-from .replicas import ReplicaPool
+from .replicas import Replica, ReplicaPool
 from .routing import Decider, Ticket
 from .upstream import ReadTimeout, UpstreamError, UpstreamResponse
 
@@ -59,6 +59,11 @@ class _Failure:
     headers: list[tuple[bytes, bytes]] | None = None
     body: bytes = b""
     resume: bool = False  # a started stream broke, and another replica may continue it
+
+
+def _request_headers(call: Call, replica: Replica) -> bytes:
+    """The header lines a replica gets: the client's it may see, the request id, the replica's own."""
+    return b"%sx-request-id: %s\r\n%s" % (call.headers, call.request_id.encode("latin-1"), replica.header_lines)
 
 
 class Forwarder:
@@ -147,12 +152,13 @@ class Forwarder:
 
     async def _serve(self, call: Call, send: Any) -> None:
         failure: _Failure | None = None
+        split = False
         if self.splitter is not None and self.splitter.possible(call.route):
             await self.decider.prepare(call.route)  # the split depends on what its prompt would cost whole
-            call.split = self.splitter.split(call.route)
-        decode_tried: dict[str, int] = {}
+            split = self.splitter.split(call.route)
         while True:
-            if call.split and call.decode_body is None:
+            if split and call.decode_body is None:
+                decode_tried = call.route.exclude
                 call.route.exclude = {}  # the prefill's own: a replica that failed a decode may still prefill
                 if not await self._prefill(call, send):
                     return  # answered: the client's own error
@@ -181,7 +187,7 @@ class Forwarder:
                     call.outcome = "continued"
                 return
             ticket.failed(failure.kind)
-            if call.split and not failure.resume and failure.kind not in ("connect", "connect_timeout"):
+            if split and not failure.resume and failure.kind not in ("connect", "connect_timeout"):
                 call.decode_body = None  # the request went out: the replica may have read (and so used up) the KV
                 self.metrics.disaggregated.labels("prefill_again").inc()
             if failure.resume:  # counted as an upstream error where the stream broke
@@ -210,7 +216,7 @@ class Forwarder:
         """One try on one replica. Returns a failure that may be retried, or None once answered."""
         replica = ticket.replica
         assert replica.upstream is not None
-        headers = b"%sx-request-id: %s\r\n%s" % (call.headers, call.request_id.encode("latin-1"), replica.header_lines)
+        headers = _request_headers(call, replica)
         body = call.continued or call.decode_body or call.body
         wait = self.cfg.stream_idle_timeout_s if call.stream else self.cfg.request_timeout_s
         # a stream's headers come as soon as vLLM accepts the request; a JSON answer's with the whole answer
@@ -353,11 +359,12 @@ class Forwarder:
         parameters; then its decode half goes with them (without: the decode replica computes the prompt).
         Returns False when the client has been answered instead (a 4xx of the replica's: its own error)."""
         req = call.route
-        body = prefill_body(call.body)
-        req.phase = "decode"
-        if body is None:  # not a JSON object: the decode replica judges it
+        payload = request_object(call.body)
+        if payload is None:  # not a JSON object: the decode replica judges it
+            req.phase = "decode"
             call.decode_body = call.body
             return True
+        body = prefill_body(payload)
         req.phase = "prefill"
         tries = 0
         params: dict[str, Any] | None = None
@@ -395,14 +402,14 @@ class Forwarder:
         finally:
             req.phase = "decode"
         self.metrics.disaggregated.labels(outcome).inc()
-        call.decode_body = decode_body(call.body, params)
+        call.decode_body = call.body if params is None else decode_body(payload, params)
         return True
 
     async def _prefill_attempt(self, call: Call, ticket: Ticket, body: bytes) -> tuple[_Failure | None, bytes | None]:
         """One prefill on one replica: its whole JSON answer, or the failure (a 4xx with its answer)."""
         replica = ticket.replica
         assert replica.upstream is not None
-        headers = b"%sx-request-id: %s\r\n%s" % (call.headers, call.request_id.encode("latin-1"), replica.header_lines)
+        headers = _request_headers(call, replica)
         wait = self.cfg.request_timeout_s
         try:
             upstream = await replica.upstream.request(call.method, call.path, headers, body, wait)

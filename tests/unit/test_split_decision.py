@@ -4,7 +4,7 @@ protocol), on a pool of replicas marked ready (no process: pure decisions)."""
 import json
 
 from router.config import RouterConfig
-from router.disaggregation import Splitter, decode_body, prefill_body, transfer_params
+from router.disaggregation import Splitter, decode_body, prefill_body, request_object, transfer_params
 from router.gateway import Gateway
 from router.policy import Role
 from router.request import RouteRequest
@@ -96,20 +96,23 @@ def test_the_role_filter_keeps_both_for_every_phase_and_one_phase_replicas_for_t
 def test_the_prefill_half_asks_one_token_for_a_remote_decode_and_keeps_the_rest():
     body = json.dumps({"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True},
                        "max_tokens": 50, "max_completion_tokens": 50, "min_tokens": 5, "temperature": 0.3}).encode()
-    sent = json.loads(prefill_body(body))
+    request = request_object(body)
+    sent = json.loads(prefill_body(request))
     assert sent["kv_transfer_params"]["do_remote_decode"] is True
     assert sent["kv_transfer_params"]["do_remote_prefill"] is False
     assert (sent["max_tokens"], sent["max_completion_tokens"], sent["stream"]) == (1, 1, False)
     assert "stream_options" not in sent and "min_tokens" not in sent
     assert sent["temperature"] == 0.3 and sent["messages"] == []
-    assert prefill_body(b"[1, 2]") is None and prefill_body(b"{not json") is None
+    assert json.loads(body) == request  # the client's request itself is left as it came
+    assert request_object(b"[1, 2]") is None and request_object(b"{not json") is None
 
 
 def test_the_decode_half_is_the_clients_request_with_the_prefills_parameters():
     body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 50, "stream": True}).encode()
-    sent = json.loads(decode_body(body, PARAMS))
+    request = request_object(body)
+    sent = json.loads(decode_body(request, PARAMS))
     assert sent == {"model": "m", "prompt": "x", "max_tokens": 50, "stream": True, "kv_transfer_params": PARAMS}
-    assert decode_body(body, None) is body
+    assert "kv_transfer_params" not in request
 
 
 def test_transfer_parameters_are_taken_only_when_they_name_kv_to_read():
