@@ -96,6 +96,7 @@ class Counters:
     failed: int = 0
     running: int = 0
     waiting: int = 0
+    streaming: int = 0  # streams under way: headers sent, last event not yet
     peak_in_flight: int = 0  # most requests held at once (running + waiting)
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -751,10 +752,19 @@ class VLLMSimulator:
                       send: Any, pace: Callable[[int], Awaitable[None]] | None = None,
                       finished: Callable[[], dict[str, Any] | None] | None = None) -> None:
         pace = pace or self._pace
-        f = self.faults
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}" if chat else f"cmpl-{uuid.uuid4().hex[:16]}"
         now = int(time.time())
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        self.c.streaming += 1
+        try:
+            await self._stream_events(chat, req, n, rid, now, prompt_tokens, cached, send, pace, finished)
+        finally:
+            self.c.streaming -= 1
+
+    async def _stream_events(self, chat: bool, req: dict[str, Any], n: int, rid: str, now: int, prompt_tokens: int,
+                             cached: int, send: Any, pace: Callable[[int], Awaitable[None]],
+                             finished: Callable[[], dict[str, Any] | None] | None) -> None:
+        f = self.faults
         sent = 0
 
         async def emit(obj: dict[str, Any] | str) -> None:

@@ -87,11 +87,34 @@ class SharedLoad:
         self._changed = asyncio.Event()  # this router's figures changed since the last publication
         self._round: asyncio.Future[None] | None = None  # the round trip under way (one at a time)
         self._read_timeout = read_timeout_s  # the longest a decision waits for a fresher picture
+        self._sent_at = 0.0  # monotonic time the round that read the current picture was sent
+        self._read = asyncio.Event()  # set (and replaced) when a round has read a new picture
+        self._peaks: dict[str, int] = {}  # replica -> most of the others' requests there since a scrape was sent
         load.on_change(self._changed.set)
 
     def others(self, replica: str) -> Figures:
         """The other routers' requests in flight and pending prefill tokens on ``replica``."""
         return self._others.get(replica, _NONE)
+
+    def mark_peak(self, replica: str) -> None:
+        """Start counting the most requests the other routers have on ``replica`` (a scrape of it is sent)."""
+        self._peaks[replica] = self.others(replica)[0]
+
+    async def peak(self, replica: str) -> int:
+        """The most requests the other routers had on ``replica`` since :meth:`mark_peak`, read up to a round sent
+        after this call (a scrape's answer may count requests they placed after the picture held then was read;
+        an interval_s later, at most, they are in it). Without an answering Redis, what it has."""
+        since = time.monotonic()
+        try:
+            async with asyncio.timeout(min(1.0, 2 * self.cfg.interval_s + 0.05)):
+                while not self._down and self._sent_at < since:
+                    await self._read.wait()
+        except TimeoutError:
+            pass
+        return max(self._peaks.get(replica, 0), self.others(replica)[0])
+
+    def end_peak(self, replica: str) -> None:
+        self._peaks.pop(replica, None)
 
     def stale(self) -> bool:
         """Whether the others' figures are older than ``max_age_s`` (and Redis answered the last round)."""
@@ -170,6 +193,7 @@ class SharedLoad:
 
     async def tick(self) -> None:
         """One round trip: this router's changed figures out, the others' in."""
+        sent_at = time.monotonic()
         load = self.load
         if self._resend:
             names = set(load.names) | set(self._published) | load.take_touched()
@@ -209,3 +233,9 @@ class SharedLoad:
             others[name] = (a + max(0, inflight), b + max(0, pending))
         self._others = others
         self._others_at = time.monotonic()
+        self._sent_at = sent_at
+        peaks = self._peaks
+        for name in peaks:
+            peaks[name] = max(peaks[name], others.get(name, _NONE)[0])
+        read, self._read = self._read, asyncio.Event()
+        read.set()

@@ -41,12 +41,23 @@ class Scraper:
     async def scrape(self, r: Replica) -> None:
         """One scrape of /metrics: engine load, KV usage and size, restarts, prefill figures, stalls."""
         self.load.mark_peak(r.name)
+        shared = self.shared
+        if shared is not None:
+            shared.mark_peak(r.name)
         try:
-            status, body = await fetch(r, "/metrics", self.timeout_s, self.instance)
-        except (UpstreamError, TimeoutError):
-            return  # health checks own the verdict on reachability
-        if status != 200:
-            return
+            try:
+                status, body = await fetch(r, "/metrics", self.timeout_s, self.instance)
+            except (UpstreamError, TimeoutError):
+                return  # health checks own the verdict on reachability
+            if status != 200:
+                return
+            # The engine's count includes this router's requests and the other routers'. Any of them may have
+            # started or ended while the scrape was under way, and the others' are known a round late: what is
+            # left after the most there were meanwhile is load from other clients (direct traffic).
+            others = await shared.peak(r.name) if shared is not None else 0
+        finally:
+            if shared is not None:
+                shared.end_peak(r.name)
         stats = parse_metrics(body.decode("utf-8", "replace"))
         prev = r.stats
         restarted = prev is not None and restarted_between(prev, stats)
@@ -60,11 +71,6 @@ class Scraper:
         r.stats = stats
         r.stats_at = time.time()
         self.health.judge_stall(r, stats)
-        # The engine's count includes this router's requests. Any of them may have started or ended
-        # while the scrape was under way, so subtract the most this router had there meanwhile:
-        # what is left is load from other clients (other router instances, direct traffic).
-        # With a shared load picture, the other routers' requests are counted apart (live), not as this.
-        others = self.shared.others(r.name)[0] if self.shared is not None else 0
         r.external_load = max(0.0, stats.running + stats.waiting - self.load.peak(r.name) - others)
         r.view = r.make_view()
         self.metrics.replica_engine_load.labels(r.name).set(stats.running + stats.waiting)

@@ -49,6 +49,9 @@ def test_a_replica_killed_at_a_random_moment_loses_no_request(cluster, figure):
         steady(1.0)
         killed = time.monotonic() + random.Random(1).uniform(0.2, 1.5)
         steady(killed - time.monotonic())
+        # a moment when a stream is under way there: with none, there would be nothing to continue
+        wait_until(lambda: sim_state(sims[0])["streaming"] > 0, 5.0)
+        killed = time.monotonic()
         sims[0].kill()
         steady(3.0)
     s = load.summary()
