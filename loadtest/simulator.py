@@ -16,7 +16,8 @@ generation requests with that status), ``health_status`` (what /health answers),
 (accept generation requests and never answer), ``die_after_chunks`` (drop the connection after N
 SSE chunks), ``exit_after_chunks`` (kill the whole process after N chunks), ``stall_after_chunks``
 (stop sending, keep the connection open), ``cut_bodies`` (the next N non-streaming answers stop
-halfway through their declared length and the connection drops). ``GET /sim/state`` returns counters and the headers and body of
+halfway through their declared length and the connection drops), ``transfer_params`` (what non-streaming
+answers carry as ``kv_transfer_params``, whatever the connector says). ``GET /sim/state`` returns counters and the headers and body of
 the last generation request. None of ``/sim/*`` exists on a real vLLM.
 """
 
@@ -86,6 +87,8 @@ class Faults:
     # /v1/models also lists this many adapters, named adapter-{tag}-{i} (a new tag: LoRA adapters churning)
     extra_models: int = 0
     models_tag: str = "a"
+    # answers carry this as kv_transfer_params in place of the connector's (a prefill replica answering garbage)
+    transfer_params: Any = None
 
 
 @dataclass
@@ -712,6 +715,8 @@ class VLLMSimulator:
             for i in range(1, n):
                 await pace(i)
         transfer_params = finished() if finished is not None else None
+        if self.faults.transfer_params is not None:
+            transfer_params = self.faults.transfer_params
         text = "".join(self._text(i) for i in range(n))
         self.c.generation_tokens += n
         usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n, "completion_tokens": n,

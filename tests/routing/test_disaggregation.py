@@ -117,6 +117,17 @@ def test_a_prefill_that_names_no_kv_leaves_the_prompt_to_the_decode_replica(clus
     assert outcomes(router) == {"no_transfer_params": 1.0}
 
 
+@pytest.mark.parametrize("garbage", ["a string", {"do_remote_prefill": True, "remote_block_ids": "1,2"},
+                                     {"remote_engine_id": "x" * 5000}, [1, 2]])
+def test_transfer_parameters_the_prefill_answers_malformed_leave_the_prompt_to_the_decode_replica(cluster, garbage):
+    router, sims = fleet(cluster, ["prefill", "decode"])
+    httpx.post(sims["prefill0"].url + "/sim/faults", json={"transfer_params": garbage}, timeout=5)
+    r = complete(router)
+    assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "decode1"
+    assert "kv_transfer_params" not in state(sims["decode1"])["counters"]["last_body"]
+    assert outcomes(router) == {"no_transfer_params": 1.0}
+
+
 def test_the_clients_own_error_from_the_prefill_is_answered_as_it_is(cluster):
     router, sims = fleet(cluster, ["prefill", "decode"])
     r = complete(router, prompt="")
