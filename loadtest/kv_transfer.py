@@ -8,8 +8,9 @@ The protocol is the request's ``kv_transfer_params``, as a proxy passes them:
   KV blocks are kept for the decode side to read, and the answer carries
   ``{"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [[...]],
   "remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size"}``. The blocks are freed
-  when the decode side has read them, or after ``abort_timeout_s`` (vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``,
-  480 s) if nobody does.
+  when the decode side has read them, or when their lease ends: ``lease_s`` after the prefill (vLLM's
+  ``kv_lease_duration``, 30 s), renewed to two thirds of it from each heartbeat the decode side sends while
+  the request waits there to be scheduled (every sixth of the lease).
 - **Decode side.** A request with those parameters reads the prompt's KV from the prefill replica instead of
   computing it: every prompt token but the last (which it computes to sample from), less what its own prefix
   cache already holds, counted as ``external_kv_transfer`` in ``vllm:prompt_tokens_by_source_total``. The read
@@ -28,11 +29,13 @@ difference does not show to it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any, Callable
 
 from .h1client import H1Connection
@@ -41,7 +44,8 @@ log = logging.getLogger("loadtest.kv_transfer")
 
 # What a decode side needs in kv_transfer_params to read from a prefill side (vLLM's NixlConnector scheduler)
 REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
-ABORT_TIMEOUT_S = 480.0  # VLLM_NIXL_ABORT_REQUEST_TIMEOUT's default
+LEASE_S = 30.0  # kv_transfer_config's kv_lease_duration default
+SWEEP_EVERY_S = 1.0  # expired leases are looked for at most this often (every kept request is scanned)
 MAX_HELD = 100_000  # requests whose blocks wait to be read, at most (the oldest are freed first past it)
 
 
@@ -63,6 +67,7 @@ class TransferCounters:
     expired: int = 0  # prefill side: requests whose blocks nobody read in time
     received_tokens: int = 0  # decode side: prompt tokens read from prefill sides
     transfers: int = 0  # decode side: reads that succeeded
+    heartbeats: int = 0  # decode side: lease renewals sent while a request waited
     failed: int = 0  # decode side: reads that failed
     ignored: int = 0  # decode side: parameters lacking a field (computed here instead)
     transfer_seconds: float = 0.0  # decode side: time spent reading, summed
@@ -73,7 +78,7 @@ class KvTransfer:
     """One replica's connector: the blocks it keeps for decode sides, and its reads from prefill sides."""
 
     def __init__(self, host: str, port: int, *, kv_bytes_per_token: int, bandwidth: float, latency_s: float = 0.0,
-                 failure_policy: str = "fail", abort_timeout_s: float = ABORT_TIMEOUT_S, tp_size: int = 1,
+                 failure_policy: str = "fail", lease_s: float = LEASE_S, tp_size: int = 1,
                  time_scale: float = 1.0, read_timeout_s: float = 10.0) -> None:
         if failure_policy not in ("fail", "recompute"):
             raise ValueError(f"kv_load_failure_policy must be fail or recompute, not {failure_policy!r}")
@@ -83,12 +88,13 @@ class KvTransfer:
         self.bandwidth = bandwidth
         self.latency_s = latency_s
         self.failure_policy = failure_policy
-        self.abort_timeout_s = abort_timeout_s
+        self.lease_s = lease_s
         self.tp_size = tp_size
         self.time_scale = time_scale
         self.read_timeout_s = read_timeout_s
         self.c = TransferCounters()
         self._held: dict[str, Held] = {}  # request id -> its kept blocks, oldest first
+        self._swept = 0.0
 
     # -- prefill side ----------------------------------------------------------------------------
 
@@ -102,7 +108,7 @@ class KvTransfer:
         while len(self._held) >= MAX_HELD:
             oldest = next(iter(self._held))
             self._release(oldest, expired=True)
-        self._held[request_id] = Held(blocks, tokens, time.monotonic() + self.abort_timeout_s, free)
+        self._held[request_id] = Held(blocks, tokens, time.monotonic() + self.lease_s, free)
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [list(range(blocks))],
                 "remote_engine_id": self.engine_id, "remote_request_id": request_id, "remote_host": self.host,
                 "remote_port": self.port, "tp_size": self.tp_size}
@@ -119,13 +125,27 @@ class KvTransfer:
         self.c.sent_blocks += held.blocks
         return held
 
+    def renew(self, engine_id: Any, request_ids: Any) -> int:
+        """A decode side's heartbeat: the leases of ``request_ids`` last two thirds of a lease from now, at
+        least. Returns how many it renewed."""
+        if engine_id != self.engine_id or not isinstance(request_ids, list):
+            return 0
+        until = time.monotonic() + self.lease_s * 2 / 3
+        renewed = 0
+        for rid in request_ids[:MAX_HELD]:
+            held = self._held.get(rid) if isinstance(rid, str) else None
+            if held is not None:
+                held.expires = max(held.expires, until)
+                renewed += 1
+        return renewed
+
     def sweep(self) -> None:
-        """Free the blocks nobody read in time."""
+        """Free the blocks nobody read while their lease lasted (renewals leave the leases out of order)."""
         now = time.monotonic()
-        while self._held:
-            rid, held = next(iter(self._held.items()))
-            if held.expires > now:
-                break
+        if now - self._swept < min(SWEEP_EVERY_S, self.lease_s / 4):
+            return
+        self._swept = now
+        for rid in [rid for rid, held in self._held.items() if held.expires <= now]:
             self._release(rid, expired=True)
 
     def _release(self, request_id: str, expired: bool) -> None:
@@ -157,6 +177,33 @@ class KvTransfer:
                         json.dumps(params)[:500])
             return False
         return True
+
+    @contextlib.asynccontextmanager
+    async def waiting(self, params: dict[str, Any]) -> AsyncIterator[None]:
+        """While a request that will read from a prefill side waits to be scheduled here: heartbeats to that
+        side every sixth of a lease, so that its blocks outlast the wait."""
+        task = asyncio.ensure_future(self._heartbeats(params))
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    async def _heartbeats(self, params: dict[str, Any]) -> None:
+        body = json.dumps({"heartbeat": [params["remote_request_id"]],
+                           "remote_engine_id": params["remote_engine_id"]}).encode()
+        while True:
+            await asyncio.sleep(self.lease_s / 6 * self.time_scale)
+            side: H1Connection | None = None
+            try:
+                side = H1Connection(str(params["remote_host"]), int(params["remote_port"]))
+                async with asyncio.timeout(self.read_timeout_s):
+                    await side.post("/sim/kv_pull", body)
+                self.c.heartbeats += 1
+            except (OSError, TimeoutError, ValueError, TypeError, asyncio.IncompleteReadError):
+                pass  # the read will tell
+            finally:
+                if side is not None:
+                    await side.close()
 
     async def read(self, params: dict[str, Any], tokens: int) -> None:
         """Read ``tokens`` of a prompt's KV from the prefill side ``params`` name, taking the link's time.

@@ -560,7 +560,12 @@ class VLLMSimulator:
         try:
             with _ClientGone(receive, self.c):
                 if self._slots is not None:
-                    await self._slots.acquire()
+                    if remote_prefill:
+                        assert t is not None
+                        async with t.waiting(params):
+                            await self._slots.acquire()
+                    else:
+                        await self._slots.acquire()
                     holding = True
                 self.c.waiting -= 1
                 self.c.running += 1
@@ -680,11 +685,15 @@ class VLLMSimulator:
         return keep
 
     async def _kv_pull(self, body: bytes, send: Any) -> None:
-        """The side channel: a decode replica reads a kept prefill's blocks (200 with their count), or 404."""
+        """The side channel: a decode replica reads a kept prefill's blocks (200 with their count), or 404; or
+        renews their leases while its requests wait (``{"heartbeat": [request ids], "remote_engine_id"}``)."""
         if self.transfer is None:
             return await _json(send, 404, {"error": "no KV connector"})
         try:
             spec = json.loads(body or b"{}")
+            if "heartbeat" in spec:
+                renewed = self.transfer.renew(spec.get("remote_engine_id"), spec["heartbeat"])
+                return await _json(send, 200, {"renewed": renewed})
             held = self.transfer.pull(spec.get("remote_engine_id"), spec.get("remote_request_id"))
         except (ValueError, AttributeError, RecursionError):
             held = None
@@ -1097,8 +1106,8 @@ def parser() -> argparse.ArgumentParser:
                    "default: the tiny model's, 2 layers x 2 x 4 heads x 32 x 2 bytes)")
     t.add_argument("--kv-link-gbps", type=float, default=25.0, help="GB/s a decode replica reads KV at")
     t.add_argument("--kv-link-latency-ms", type=float, default=0.5, help="fixed time of one read")
-    t.add_argument("--kv-abort-timeout-s", type=float, default=480.0, help="a kept prefill's blocks are freed "
-                   "after this long if no decode replica read them (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+    t.add_argument("--kv-lease-s", type=float, default=30.0, help="a kept prefill's blocks are freed this long "
+                   "after it unless a decode replica read them or renewed the lease (kv_lease_duration)")
     t.add_argument("--tensor-parallel-size", type=int, default=1, help="reported as tp_size in kv_transfer_params")
     e = p.add_argument_group("engine", "with --engine, a modelled vLLM engine schedules, times and caches the "
                              "requests (loadtest/engine.py); --ttft-ms and --itl-ms do not apply")
@@ -1179,7 +1188,7 @@ def build(args: argparse.Namespace, index: int = 0) -> VLLMSimulator:
     if args.kv_connector:
         transfer = KvTransfer(args.host, args.port + index, kv_bytes_per_token=args.kv_bytes_per_token,
                               bandwidth=args.kv_link_gbps * 1e9, latency_s=args.kv_link_latency_ms / 1e3,
-                              failure_policy=args.kv_load_failure_policy, abort_timeout_s=args.kv_abort_timeout_s,
+                              failure_policy=args.kv_load_failure_policy, lease_s=args.kv_lease_s,
                               tp_size=args.tensor_parallel_size, time_scale=args.time_scale)
     engine = None
     if args.engine:

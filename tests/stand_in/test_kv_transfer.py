@@ -1,6 +1,9 @@
 """The stand-in plays both sides of disaggregated prefill and decode as vLLM's NixlConnector does: the prefill side
 keeps its blocks and answers kv_transfer_params, the decode side reads the prompt's KV instead of computing it."""
 
+import threading
+import time
+
 import httpx
 import pytest
 
@@ -80,11 +83,10 @@ def test_the_engine_keeps_a_prefills_blocks_in_use_until_they_are_read(cluster):
     assert state(p.url)["kv_blocks_in_use"] == 0 and state(p.url)["kv_transfer"]["kept_blocks"] == 0
 
 
-def test_blocks_nobody_reads_are_freed_after_the_abort_timeout(cluster):
-    p = cluster.sim(*ENGINE, "--kv-abort-timeout-s", "0.3")
+def test_blocks_nobody_reads_are_freed_when_their_lease_ends(cluster):
+    p = cluster.sim(*ENGINE, "--kv-lease-s", "0.3")
     params = prefill(p.url)["kv_transfer_params"]
     assert state(p.url)["kv_transfer"]["held"] == 1
-    import time
     time.sleep(0.5)
     httpx.post(p.url + "/sim/kv_pull", json={"remote_engine_id": "x", "remote_request_id": "y"}, timeout=5)
     s = state(p.url)
@@ -92,6 +94,21 @@ def test_blocks_nobody_reads_are_freed_after_the_abort_timeout(cluster):
     r = httpx.post(p.url + "/sim/kv_pull", json={"remote_engine_id": params["remote_engine_id"],
                                                  "remote_request_id": params["remote_request_id"]}, timeout=5)
     assert r.status_code == 404
+
+
+def test_a_decode_waiting_longer_than_the_lease_keeps_the_blocks_by_its_heartbeats(cluster):
+    p = cluster.sim(*NIXL, "--kv-lease-s", "0.6")
+    d = cluster.sim("--kv-connector", "NixlConnector", "--kv-lease-s", "0.6", "--max-num-seqs", "1",
+                    "--ttft-ms", "1200", "--itl-ms", "1")
+    params = prefill(p.url)["kv_transfer_params"]
+    busy = threading.Thread(target=httpx.post, args=(d.url + "/v1/completions",),
+                            kwargs={"json": {"model": "tiny", "prompt": "x", "max_tokens": 1}, "timeout": 10})
+    busy.start()
+    time.sleep(0.1)  # the decode replica's one slot is taken for 1.2 s: twice the lease
+    r = decode(d.url, params)
+    busy.join()
+    assert r.status_code == 200, r.text
+    assert state(d.url)["kv_transfer"]["heartbeats"] >= 3 and state(p.url)["kv_transfer"]["expired"] == 0
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
