@@ -75,6 +75,9 @@ def plan_flags(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--min-full-sequences", type=int, default=4,
                     help="full-length sequences a replica must hold to be chosen (default: 4)")
     sp.add_argument("--base-port", type=int, default=8100, help="first replica's port on each node (default: 8100)")
+    sp.add_argument("--prefill-nodes", type=int, default=0,
+                    help="disaggregated prefill and decode: the first this many nodes serve prefill replicas, the "
+                         "rest decode, over vLLM's NixlConnector (default: 0, every replica both)")
     sp.add_argument("--format", choices=("text", "json"), default="text")
 
 
@@ -87,14 +90,19 @@ def run_plan(args: argparse.Namespace) -> int:
         platform=args.platform, nodes=args.nodes, max_model_len=args.max_model_len, dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization, tp=args.tp,
         block_size=args.block_size, device_memory_gb=args.device_memory_gb, kv_cache_space_gib=args.kv_cache_space_gib,
-        reserve_gb=args.reserve_gb, seq_len=args.seq_len, min_full_sequences=args.min_full_sequences)
+        reserve_gb=args.reserve_gb, seq_len=args.seq_len, min_full_sequences=args.min_full_sequences,
+        prefill_nodes=args.prefill_nodes)
     try:
         p = planner.plan(args.model, target)
     except planner.PlanError as e:
         sys.stderr.write(f"kvroute plan: {e}\n")
         return 2
-    commands = planner.serve_commands(p, base_port=args.base_port) if p.chosen is not None else []
-    config = planner.kvroute_config(p, args.base_port) if p.chosen is not None else None
+    try:
+        commands = planner.serve_commands(p, base_port=args.base_port) if p.chosen is not None else []
+        config = planner.kvroute_config(p, args.base_port) if p.chosen is not None else None
+    except planner.PlanError as e:
+        sys.stderr.write(f"kvroute plan: {e}\n")
+        return 2
     if args.format == "json":
         sys.stdout.write(json.dumps(planner.as_dict(p, config, commands), indent=2) + "\n")
         return 0 if p.chosen is not None else 1
@@ -103,10 +111,21 @@ def run_plan(args: argparse.Namespace) -> int:
         return 1
     sys.stdout.write("\n# kvroute.yaml (NODE-i: each node's address)\n")
     sys.stdout.write(yaml.safe_dump(config, sort_keys=False))
-    sys.stdout.write("\n# on each node, one line per replica\n")
+    if args.prefill_nodes:
+        sys.stdout.write(f"\n# on each node, prefill ({_nodes_of(config, 'prefill')}) and decode "
+                         f"({_nodes_of(config, 'decode')}) alike, one line per replica (kvroute gives the roles)\n")
+    else:
+        sys.stdout.write("\n# on each node, one line per replica\n")
     for env, argv in commands:
         sys.stdout.write(planner.shell(env, argv) + "\n")
     return 0
+
+
+def _nodes_of(config: dict[str, Any], role: str) -> str:
+    """Which nodes (NODE-i) hold the replicas of ``role`` in a planned configuration."""
+    nodes = list(dict.fromkeys(r["url"].split("NODE-")[1].split(":")[0] for r in config["replicas"]
+                               if r.get("role") == role))
+    return f"NODE-{nodes[0]}" if len(nodes) == 1 else f"NODE-{nodes[0]} to NODE-{nodes[-1]}"
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -48,6 +48,9 @@ class Platform:
     accelerator: bool = True  # --gpu-memory-utilization and --dtype apply; without, the KV space is a setting
     block_multiple: int = 1  # --block-size must be a multiple of this
     node_devices_for_tp: dict[int, int] = field(default_factory=dict)  # devices a node gives replicas of that TP
+    # where vLLM's NixlConnector keeps the KV it sends and reads (kv_buffer_device): the device itself, where
+    # NIXL reaches its memory (Gaudi: the gaudi_gdr transport of Intel's UCX; PVC: UCX's ze_copy), else "cpu"
+    kv_buffer_device: str = "cpu"
     source: str = ""
 
 
@@ -111,17 +114,18 @@ def _cpu(r: Launch) -> tuple[dict[str, str], list[str]]:
     return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": f"{r.kv_cache_space_gib:g}"}, []
 
 
-register(Platform("gaudi2", 128, 1.0, 8000, 96 * GB, 8, (1, 2, 4, 8), 4 * GB, _gaudi,
+register(Platform("gaudi2", 128, 1.0, 8000, 96 * GB, 8, (1, 2, 4, 8), 4 * GB, _gaudi, kv_buffer_device="hpu",
                   source="Gaudi 2: 96 GB HBM per card, 8 cards per node"))
-register(Platform("gaudi3", 128, 1.8, 14000, 128 * GB, 8, (1, 2, 4, 8), 4 * GB, _gaudi,
+register(Platform("gaudi3", 128, 1.8, 14000, 128 * GB, 8, (1, 2, 4, 8), 4 * GB, _gaudi, kv_buffer_device="hpu",
                   source="Gaudi 3: 128 GB HBM per card, 8 cards per node"))
 # Block size 64: vLLM's XPU platform sets it when --block-size is not given (its paged attention and chunked
 # prefill work in blocks of 64), and the Aurora recipes pass 64. One tile is one device.
 register(Platform("aurora-pvc", 64, 0.5, 4000, 64 * GIB, 12, (1, 2, 4, 8), 2 * GIB, _aurora, fp8=False,
+                  kv_buffer_device="xpu",
                   node_devices_for_tp={8: 8},
                   source="Aurora: 6 PVC GPUs x 2 tiles = 12 tiles of 64 GiB per node; TP 8 uses 8 tiles "
                          "(the Ray set-up); no FP8 on PVC"))
-register(Platform("cuda", 16, 1.0, 8000, 80 * GB, 8, (1, 2, 4, 8), 2 * GB, _cuda,
+register(Platform("cuda", 16, 1.0, 8000, 80 * GB, 8, (1, 2, 4, 8), 2 * GB, _cuda, kv_buffer_device="cuda",
                   source="CUDA: 80 GB per GPU, 8 GPUs per node (override with --device-memory-gb)"))
 register(Platform("cpu", 128, 0.02, 200, 4 * GIB, 1, (1,), 0.0, _cpu, accelerator=False, block_multiple=32,
                   source="CPU: the KV cache is VLLM_CPU_KVCACHE_SPACE (--kv-cache-space-gib)"))

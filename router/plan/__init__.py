@@ -18,7 +18,7 @@ there, ``model.safetensors.index.json`` or ``*.safetensors`` headers for the exa
 
 from .fit import Option, Plan, Target, plan
 from .model import ModelShape, PlanError, kv_bytes, parameters, read_config, shape_of, weights
-from .output import as_dict, kvroute_config, serve_commands, shell, table
+from .output import as_dict, kvroute_config, roles, serve_commands, shell, table
 
 __all__ = ["ModelShape", "Option", "Plan", "PlanError", "Target", "as_dict", "kv_bytes", "kvroute_config",
-           "parameters", "plan", "read_config", "serve_commands", "shape_of", "shell", "table", "weights"]
+           "parameters", "plan", "read_config", "roles", "serve_commands", "shape_of", "shell", "table", "weights"]

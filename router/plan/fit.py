@@ -30,6 +30,7 @@ class Target:
     reserve_gb: float | None = None
     seq_len: int | None = None  # typical sequence (prompt + output) for max_num_seqs; default max_model_len / 4
     min_full_sequences: int = 4
+    prefill_nodes: int = 0  # of the nodes, this many serve prefill replicas and the rest decode; 0: every replica both
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,9 @@ def plan(model: str | Path, target: Target) -> Plan:
         raise PlanError("--gpu-memory-utilization must be in (0, 1]")
     if target.nodes < 1 or target.max_model_len < 1:
         raise PlanError("--nodes and --max-model-len must be at least 1")
+    if not 0 <= target.prefill_nodes < target.nodes or (target.prefill_nodes and target.nodes < 2):
+        raise PlanError(f"--prefill-nodes {target.prefill_nodes}: from 1 to --nodes - 1 ({target.nodes - 1}), "
+                        "leaving nodes for decode; or 0 (no disaggregation)")
     cfg, folder = read_config(model)
     s = shape_of(cfg)
     if s.max_position is not None and target.max_model_len > int(s.max_position):

@@ -53,26 +53,48 @@ def table(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def roles(p: Plan) -> list[str]:
+    """The roles the plan's replicas take: ``both``, or ``prefill`` and ``decode`` with ``--prefill-nodes``."""
+    return ["prefill", "decode"] if p.target.prefill_nodes else ["both"]
+
+
+def _role_of(p: Plan, node: int) -> str:
+    if not p.target.prefill_nodes:
+        return "both"
+    return "prefill" if node < p.target.prefill_nodes else "decode"
+
+
 def kvroute_config(p: Plan, base_port: int = 8100) -> dict[str, Any]:
     """A kvroute configuration for the chosen option (NODE-i stands for each node's address)."""
     o = p.chosen
     if o is None:
         raise PlanError(p.reason)
+    if p.target.prefill_nodes % o.pp:
+        raise PlanError(f"--prefill-nodes {p.target.prefill_nodes}: a replica of pipeline-parallel size {o.pp} spans "
+                        f"{o.pp} nodes; give a multiple of {o.pp}")
     replicas = []
     for node in range(0, p.target.nodes - o.pp + 1, o.pp):  # a pipeline-parallel replica's head node
+        role = _role_of(p, node)
         for i in range(max(1, o.replicas_per_node)):
             replicas.append({
                 "name": f"node{node}-r{i}", "url": f"http://NODE-{node}:{base_port + i}",
                 "platform": p.platform.name, "tensor_parallel_size": o.tp, "pipeline_parallel_size": o.pp,
                 "max_num_seqs": o.max_num_seqs,
-                "block_size": p.block_size, "num_gpu_blocks": o.num_gpu_blocks})
+                "block_size": p.block_size, "num_gpu_blocks": o.num_gpu_blocks,
+                **({"role": role} if role != "both" else {})})
     return {"replicas": replicas}
+
+
+NIXL_SIDE_CHANNEL_BASE_PORT = 5600  # vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default; one per replica on a node
 
 
 def serve_commands(p: Plan, model_path: str | None = None, base_port: int = 8100,
                    kv_events_base_port: int = 5557) -> list[tuple[dict[str, str], list[str]]]:
     """(environment, argv) of ``vllm serve`` for each replica of one node (a pipeline-parallel replica: the
-    command on its head node)."""
+    command on its head node). With ``--prefill-nodes`` every replica gets vLLM's NixlConnector and its side
+    channel on the node's address: ``kv_role: kv_both``, as a prefill and a decode replica both run it (the
+    kv_transfer_params kvroute sets with each request say which side a replica plays), so the commands are the
+    same for both roles."""
     o = p.chosen
     if o is None:
         raise PlanError(p.reason)
@@ -97,6 +119,12 @@ def serve_commands(p: Plan, model_path: str | None = None, base_port: int = 8100
         env, extra = p.platform.launch(platforms.Launch(i, o.tp, o.max_num_seqs, o.num_gpu_blocks, t.max_model_len,
                                                         p.block_size, t.dtype, t.kv_cache_space_gib))
         argv += extra
+        if p.target.prefill_nodes:
+            transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                        "kv_buffer_device": p.platform.kv_buffer_device}
+            argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+            env = {**env, "VLLM_NIXL_SIDE_CHANNEL_HOST": "$(hostname -i)",
+                   "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_BASE_PORT + i)}
         out.append((env, argv))
     return out
 
@@ -124,5 +152,6 @@ def as_dict(p: Plan, config: dict[str, Any] | None,
                      "max_num_seqs": o.max_num_seqs} for o in p.options],
         "chosen": None if p.chosen is None else {"tp": p.chosen.tp, "pp": p.chosen.pp, "reason": p.reason},
         "kvroute_config": config,
+        "roles": roles(p),
         "vllm_serve": [{"env": env, "argv": argv} for env, argv in commands],
     }

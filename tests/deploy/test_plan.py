@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from router import plan as P
@@ -118,6 +119,44 @@ def test_the_printed_config_is_a_valid_kvroute_configuration(tmp_path):
     assert len(cfg.replicas) == 2 * out["options"][0]["replicas_per_node"]
     assert {r.platform for r in cfg.replicas} == {"gaudi3"}
     assert all(r.num_gpu_blocks == out["options"][0]["num_gpu_blocks"] for r in cfg.replicas)
+
+
+def test_prefill_nodes_give_their_replicas_role_prefill_and_the_rest_decode(tmp_path):
+    r = kvroute("plan", str(GEMMA_2), "--platform", "gaudi2", "--nodes", "3", "--prefill-nodes", "1", "--tp", "8",
+                "--format", "json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    path = tmp_path / "kvroute.yaml"
+    path.write_text(yaml.safe_dump(out["kvroute_config"]).replace("NODE-", "node-"))
+    assert [(r.name, r.role) for r in load_config(path).replicas] == [
+        ("node0-r0", "prefill"), ("node1-r0", "decode"), ("node2-r0", "decode")]
+    assert out["roles"] == ["prefill", "decode"]
+
+
+@pytest.mark.parametrize(("platform", "buffer"), [("gaudi3", "hpu"), ("aurora-pvc", "xpu"), ("cuda", "cuda")])
+def test_replicas_of_a_disaggregated_plan_run_the_nixl_connector_on_the_platforms_buffer(platform, buffer):
+    r = kvroute("plan", str(GEMMA_2), "--platform", platform, "--nodes", "2", "--prefill-nodes", "1", "--format",
+                "json")
+    assert r.returncode == 0, r.stderr
+    serve = json.loads(r.stdout)["vllm_serve"]
+    for cmd in serve:
+        config = json.loads(cmd["argv"][cmd["argv"].index("--kv-transfer-config") + 1])
+        assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": buffer}
+        assert cmd["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(hostname -i)"
+    ports = [cmd["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] for cmd in serve]
+    assert len(set(ports)) == len(serve)  # one side channel per replica of a node
+
+
+def test_a_plan_without_prefill_nodes_has_no_roles_and_no_connector():
+    out = json.loads(kvroute("plan", str(GEMMA_2), "--platform", "gaudi2", "--nodes", "2", "--format", "json").stdout)
+    assert all("role" not in r for r in out["kvroute_config"]["replicas"]) and out["roles"] == ["both"]
+    assert all("--kv-transfer-config" not in cmd["argv"] for cmd in out["vllm_serve"])
+
+
+@pytest.mark.parametrize("n", ["2", "-1"])
+def test_prefill_nodes_that_leave_no_decode_node_are_refused_naming_the_flag(n):
+    r = kvroute("plan", str(GEMMA_2), "--platform", "gaudi2", "--nodes", "2", "--prefill-nodes", n)
+    assert r.returncode == 2 and "--prefill-nodes" in r.stderr
 
 
 def test_text_output_has_the_table_the_config_and_one_command_per_replica():
