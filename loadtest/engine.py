@@ -352,11 +352,13 @@ class Engine:
                 req.computed = 0
                 break
             if req.cached_tokens < 0:
-                req.cached_tokens = req.computed
+                # a prompt read from another replica: vLLM 0.32 counts all of it but its own hits as read (none as
+                # computed here), and answers cached_tokens 0
+                req.cached_tokens = 0 if req.external_tokens else req.computed
                 req.scheduled_at = self.now
                 self.prefix_queries += len(req.prompt)
                 self.prefix_hits += local
-                self.external_hits += req.computed - local
+                self.external_hits += (req.length - local) if req.external_tokens else req.computed - local
                 self.prompt_tokens += len(req.prompt)
             req.blocks += got
             self.waiting.popleft()

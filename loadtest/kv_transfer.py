@@ -7,13 +7,16 @@ The protocol is the request's ``kv_transfer_params``, as a proxy passes them:
   ``max_tokens: 1``, not streamed). If it ends by reaching its length (not aborted, not stopped early), its
   KV blocks are kept for the decode side to read, and the answer carries
   ``{"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [[...]],
-  "remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size"}``. The blocks are freed
+  "remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
+  "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode", "remote_prefill_cached_tokens"}``
+  (``tests/fixtures/vllm-0.32/kv-transfer-prefill.json``). The blocks are freed
   when the decode side has read them, or when their lease ends: ``lease_s`` after the prefill (vLLM's
   ``kv_lease_duration``, 30 s), renewed to two thirds of it from each heartbeat the decode side sends while
   the request waits there to be scheduled (every sixth of the lease).
 - **Decode side.** A request with those parameters reads the prompt's KV from the prefill replica instead of
-  computing it: every prompt token but the last (which it computes to sample from), less what its own prefix
-  cache already holds, counted as ``external_kv_transfer`` in ``vllm:prompt_tokens_by_source_total``. The read
+  computing it: the prompt less what its own prefix cache already holds (whole blocks), counted as
+  ``external_kv_transfer`` in ``vllm:prompt_tokens_by_source_total`` and in ``vllm:external_prefix_cache_*``
+  (vLLM 0.32 counts no prompt token as computed there, and its answer's ``cached_tokens`` is 0). The read
   takes ``tokens x kv_bytes_per_token / bandwidth`` (plus a fixed latency), during which the request waits and
   the engine serves others. Parameters lacking a field vLLM needs are ignored with a warning (the prompt is
   computed here). A read that fails (the blocks expired, the prefill replica is gone) fails the request
@@ -98,9 +101,11 @@ class KvTransfer:
 
     # -- prefill side ----------------------------------------------------------------------------
 
-    def keep(self, request_id: str, blocks: int, tokens: int, free: Callable[[], None]) -> dict[str, Any] | None:
-        """Keep a finished prefill's ``blocks`` (holding ``tokens``) for a decode side; ``free`` releases them.
-        Returns the answer's kv_transfer_params (None when there is nothing to read: no block, as vLLM)."""
+    def keep(self, request_id: str, blocks: int, tokens: int, free: Callable[[], None],
+             cached: int = 0) -> dict[str, Any] | None:
+        """Keep a finished prefill's ``blocks`` (holding ``tokens``, ``cached`` of them found in the prefix cache)
+        for a decode side; ``free`` releases them. Returns the answer's kv_transfer_params, as vLLM 0.32 words them
+        (None when there is nothing to read: no block)."""
         self.sweep()
         if blocks <= 0:
             free()
@@ -109,9 +114,12 @@ class KvTransfer:
             oldest = next(iter(self._held))
             self._release(oldest, expired=True)
         self._held[request_id] = Held(blocks, tokens, time.monotonic() + self.lease_s, free)
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [list(range(blocks))],
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [list(range(1, blocks + 1))],  # block 0 is vLLM's null block
                 "remote_engine_id": self.engine_id, "remote_request_id": request_id, "remote_host": self.host,
-                "remote_port": self.port, "tp_size": self.tp_size}
+                "remote_port": self.port, "tp_size": self.tp_size, "dcp_size": 1, "pp_size": 1,
+                "remote_num_tokens": tokens, "remote_blocks_expiry_time": None, "transfer_mode": "pull",
+                "remote_prefill_cached_tokens": cached}
 
     def pull(self, engine_id: Any, request_id: Any) -> Held | None:
         """A decode side reads (and so frees) a kept prefill's blocks; None if they are not here (any more)."""

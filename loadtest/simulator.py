@@ -552,7 +552,7 @@ class VLLMSimulator:
         t = self.transfer
         params = req.get("kv_transfer_params")
         remote_prefill = t is not None and t.usable(params)
-        finished = self._keeper(ids) if t is not None and t.wants_remote_decode(params) else None
+        keeps = t is not None and t.wants_remote_decode(params)
         self.c.waiting += 1
         self.c.peak_in_flight = max(self.c.peak_in_flight, self.c.running + self.c.waiting)
         holding = False
@@ -576,7 +576,7 @@ class VLLMSimulator:
                 external = 0
                 if remote_prefill:
                     assert t is not None
-                    external = max(0, prompt_tokens - 1 - self.cache.lookup(ids))
+                    external = max(0, prompt_tokens - self.cache.lookup(ids))
                     try:
                         await t.read(params, external)
                     except TransferFailed as e:
@@ -585,7 +585,7 @@ class VLLMSimulator:
                             return await self._transfer_failed(req, send, str(e))
                         external = 0  # recompute
                 cached = self.cache.admit(ids)
-                external = min(external, prompt_tokens - 1 - cached) if external else 0
+                external = prompt_tokens - cached if external else 0  # all but this replica's own hits
                 self.c.prompt_tokens += prompt_tokens
                 self.c.prefix_queries += prompt_tokens
                 self.c.prefix_hits += cached
@@ -595,8 +595,8 @@ class VLLMSimulator:
                 start = max(loop.time(), self._prefill_free_at)
                 self._prefill_free_at = start + self.prefill_per_token * (prompt_tokens - cached - external)
                 await asyncio.sleep(self._prefill_free_at - loop.time() + self.ttft)
-                await self._answer(chat, req, max_tokens, prompt_tokens, cached + external, send,
-                                   finished=finished)
+                await self._answer(chat, req, max_tokens, prompt_tokens, 0 if remote_prefill else cached, send,
+                                   finished=self._keeper(ids, cached) if keeps else None)
         finally:
             if running:
                 self.c.running -= 1
@@ -622,7 +622,8 @@ class VLLMSimulator:
             nonlocal kept
             assert t is not None
             kept = True
-            return t.keep(r.id, len(engine.kept.get(r.id, ())), len(ids), lambda: engine.free_kept(r.id))
+            return t.keep(r.id, len(engine.kept.get(r.id, ())), len(ids), lambda: engine.free_kept(r.id),
+                          max(0, r.cached_tokens))
 
         async def pace(i: int) -> None:
             if not await tokens.get():
@@ -670,7 +671,7 @@ class VLLMSimulator:
             await self._whole(chat, req, n, prompt_tokens, cached, send, pace, finished)
         self.c.completed += 1
 
-    def _keeper(self, ids: list[int]) -> Callable[[], dict[str, Any] | None]:
+    def _keeper(self, ids: list[int], cached: int) -> Callable[[], dict[str, Any] | None]:
         """For a prefill another replica will decode (no engine): its blocks stay in use until read."""
         assert self.transfer is not None
         blocks = math.ceil(len(ids) / self.block_size)
@@ -681,7 +682,7 @@ class VLLMSimulator:
         def keep() -> dict[str, Any] | None:
             assert self.transfer is not None
             self.kv_blocks_in_use += blocks
-            return self.transfer.keep(f"cmpl-{uuid.uuid4().hex}-0", blocks, len(ids), free)
+            return self.transfer.keep(f"cmpl-{uuid.uuid4().hex}-0", blocks, len(ids), free, cached)
         return keep
 
     async def _kv_pull(self, body: bytes, send: Any) -> None:
@@ -911,7 +912,7 @@ class VLLMSimulator:
             "# HELP vllm:external_prefix_cache_queries_total External prefix cache queries from KV connector "
             "cross-instance cache sharing, in terms of number of queried tokens.",
             "# TYPE vllm:external_prefix_cache_queries_total counter",
-            f"vllm:external_prefix_cache_queries_total{{{lab}}} {float(queries if self.transfer else 0)}",
+            f"vllm:external_prefix_cache_queries_total{{{lab}}} {float(external)}",
             "# HELP vllm:external_prefix_cache_hits_total External prefix cache hits from KV connector "
             "cross-instance cache sharing, in terms of number of cached tokens.",
             "# TYPE vllm:external_prefix_cache_hits_total counter",

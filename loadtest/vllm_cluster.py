@@ -41,11 +41,13 @@ def model_dir(home: Path) -> Path:
 
 def replica(home: Path, port: int | None = None, num_gpu_blocks: int | None = 64, block_size: int = 128,
             log_dir: Path | None = None, name: str | None = None, max_num_seqs: int = 16, max_model_len: int = 4096,
-            extra: tuple[str, ...] = (), dev_mode: bool = False, store_responses: bool = False) -> Proc:
+            extra: tuple[str, ...] = (), dev_mode: bool = False, store_responses: bool = False,
+            kv_transfer: bool = False) -> Proc:
     """A vLLM replica serving the tiny model as ``tiny`` (not started).
 
     ``dev_mode`` enables vLLM's development endpoints, such as ``POST /reset_prefix_cache``;
-    ``store_responses`` its response store.
+    ``store_responses`` its response store; ``kv_transfer`` vLLM's NixlConnector (either side of a
+    disaggregated prefill and decode, KV in host memory, its side channel on a free port).
     ``num_gpu_blocks=None`` lets vLLM size its cache from the KV space (1 GiB).
     """
     port = port or free_port()
@@ -69,6 +71,9 @@ def replica(home: Path, port: int | None = None, num_gpu_blocks: int | None = 64
         env["VLLM_SERVER_DEV_MODE"] = "1"
     if store_responses:  # /v1/responses answers kept in the replica's memory for previous_response_id
         env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
+    if kv_transfer:
+        argv += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})]
+        env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
     return Proc(name, argv, port, env=env, log_path=(log_dir / f"{name}.log") if log_dir else None)
 
 

@@ -1,12 +1,14 @@
 """The stand-in plays both sides of disaggregated prefill and decode as vLLM's NixlConnector does: the prefill side
 keeps its blocks and answers kv_transfer_params, the decode side reads the prompt's KV instead of computing it."""
 
+import json
 import threading
 import time
 
 import httpx
 import pytest
 
+from support.paths import FIXTURES
 from tests.support.processes import FAST
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 40  # ~450 tokens at 4 bytes per token: 3 blocks of 128
@@ -66,8 +68,9 @@ def test_a_decode_reads_the_prompt_from_the_prefill_replica_instead_of_computing
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     sources = by_source(d.url)
-    assert sources["external_kv_transfer"] == usage["prompt_tokens"] - 1  # all but the token it samples from
-    assert sources["local_compute"] == 1 and sources["local_cache_hit"] == 0
+    assert sources["external_kv_transfer"] == usage["prompt_tokens"]  # vLLM 0.32 counts the whole prompt as read
+    assert sources["local_compute"] == 0 and sources["local_cache_hit"] == 0
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     assert usage["completion_tokens"] == 8
     # the prefill side freed the blocks once read, and the decode side's cache now holds the prompt
     assert state(p.url)["kv_transfer"]["held"] == 0 and state(p.url)["kv_transfer"]["sent_blocks"] >= 3
@@ -152,6 +155,32 @@ def test_the_read_takes_the_links_time_for_the_prompts_kv(cluster):
                     *FAST)
     params = prefill(p.url)["kv_transfer_params"]
     r = decode(d.url, params)
-    tokens = r.json()["usage"]["prompt_tokens"] - 1
+    tokens = r.json()["usage"]["prompt_tokens"]
     seconds = state(d.url)["kv_transfer"]["transfer_seconds"]
     assert tokens * 1e6 / 1e9 <= seconds < tokens * 1e6 / 1e9 + 0.3
+
+
+@pytest.mark.parametrize("mode", [NIXL, ENGINE], ids=["timed", "engine"])
+def test_the_prefill_answers_transfer_parameters_worded_as_vllm_0_32s(cluster, mode):
+    real = json.loads((FIXTURES / "vllm-0.32" / "kv-transfer-prefill.json").read_text())
+    got = prefill(cluster.sim(*mode).url)
+    assert set(got) == set(real) and set(got["kv_transfer_params"]) == set(real["kv_transfer_params"])
+    for key in ("do_remote_prefill", "do_remote_decode", "tp_size", "dcp_size", "pp_size",
+                "remote_blocks_expiry_time", "transfer_mode", "remote_prefill_cached_tokens"):
+        assert got["kv_transfer_params"][key] == real["kv_transfer_params"][key], key
+    assert got["kv_transfer_params"]["remote_num_tokens"] == got["usage"]["prompt_tokens"]
+    assert got["kv_transfer_params"]["remote_block_ids"][0][0] == 1  # block 0 is vLLM's null block
+
+
+@pytest.mark.parametrize("mode", [NIXL, ENGINE], ids=["timed", "engine"])
+def test_a_decode_counts_its_prompt_as_vllm_0_32_does_read_less_its_own_whole_blocks(cluster, mode):
+    # real: 1,163 tokens read, then the same again with 9 of its 10 blocks held: 1,152 hit, 11 read, none computed
+    p, d = cluster.sim(*mode), cluster.sim(*mode)
+    params = prefill(p.url)["kv_transfer_params"]
+    first = decode(d.url, params).json()["usage"]
+    params = prefill(p.url)["kv_transfer_params"]
+    second = decode(d.url, params).json()["usage"]
+    n = first["prompt_tokens"]
+    held = (n - 1) // 128 * 128
+    assert by_source(d.url) == {"local_compute": 0, "local_cache_hit": held, "external_kv_transfer": 2 * n - held}
+    assert first["prompt_tokens_details"]["cached_tokens"] == second["prompt_tokens_details"]["cached_tokens"] == 0
