@@ -66,8 +66,11 @@ class RouterSpec:
 
     def argv(self, port: int, fleet: "Fleet", redis: str = "") -> list[str]:
         urls = fleet.urls
+        of = dict(zip(urls, fleet.roles))
         text = self.command.format(python=shlex.quote(sys.executable), port=port, metrics_port=free_port(),
                                    urls=" ".join(urls), replica_args=" ".join(f"--replica {u}" for u in urls),
+                                   prefill_args=" ".join(f"--prefill {u}" for u in urls if of.get(u) != "decode"),
+                                   decode_args=" ".join(f"--decode {u}" for u in urls if of.get(u) != "prefill"),
                                    config=shlex.quote(str(fleet.config_path)),
                                    config_aggregated=shlex.quote(str(fleet.aggregated_path)), redis=redis)
         argv = shlex.split(text)
@@ -99,6 +102,7 @@ class Fleet:
     urls: list[str] = field(default_factory=list)
     config_path: Path = Path()
     aggregated_path: Path = Path()  # the same replicas, every one of role both (no request split)
+    roles: list[str] = field(default_factory=list)  # each URL's role: both, prefill or decode
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -147,6 +151,7 @@ def start_cluster(cfg: dict[str, Any], out: Path, tag: str, root: Path) -> Fleet
                 url = f"http://127.0.0.1:{base + i}"
                 httpx.get(url + "/health", timeout=10).raise_for_status()
                 fleet.urls.append(url)
+                fleet.roles.append(g.get("role", "both"))
                 replicas.append({"url": url, "platform": prof.platform,
                                  "tensor_parallel_size": prof.tensor_parallel_size, "max_num_seqs": prof.max_num_seqs,
                                  "max_num_batched_tokens": prof.max_num_batched_tokens,

@@ -7,11 +7,16 @@ the prompt's KV, keeps it, and answers ``kv_transfer_params`` naming where it is
 goes to a decode replica (role ``decode`` or ``both``) with those parameters: it reads the KV instead of
 computing the prompt and generates the answer the client gets (its usage counts the prompt once).
 
-When to split is decided per request (:meth:`Splitter.split`, from the fleet's roles per model, kept as replicas
-change rather than read per request): only where the model has replicas of role
-``prefill`` or ``decode``; always where no replica of role ``both`` serves it; otherwise when the best of those
-would have to prefill at least ``disaggregation.min_uncached_tokens`` of the prompt (a short prefill costs less
-than a second request and a transfer). The forwarder (:mod:`router.proxy`) sends the halves.
+How a request goes is decided per request (:meth:`Splitter.decide`, from the fleet's roles per model, kept as
+replicas change rather than read per request), only where the model has replicas of role ``prefill`` or
+``decode``; elsewhere it goes whole. A short prefill costs less than a second request and a transfer, so a request
+is split only when every replica that could take it whole would have to prefill at least
+``disaggregation.min_uncached_tokens`` of its prompt (as the prefix index predicts). Otherwise it goes whole: to a
+replica of role ``both`` that holds enough of it, else to a replica of role ``decode`` (or ``both``) that does,
+which computes the rest itself (the next turn of a conversation decoded there finds its earlier turns in that
+replica's cache: it is prefilled nowhere else). A request whose prompt could not be keyed goes whole where a
+replica of role ``both`` serves its model, else it is split. The forwarder (:mod:`router.proxy`) sends the
+halves.
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ MAX_PARAMS_BYTES = 64 * 1024  # transfer parameters larger than this are not pas
 
 
 REFRESH_S = 1.0  # the fleet's roles per model are read again this often, and at once when a replica changes
+
+# What :meth:`Splitter.decide` says of a request: the phase it is routed in first (RouteRequest.phase)
+WHOLE = "whole"  # whole, to a replica of role both
+SPLIT = "prefill"  # its prefill on a prefill replica, then its decode on a decode replica
+LOCAL = "local"  # whole, to a replica of role decode or both that holds nearly all its prompt
 
 
 @dataclass(frozen=True)
@@ -65,23 +75,31 @@ class Splitter:
         roles = self._current().get(req.model)
         return roles if roles is not None and roles.split else None
 
-    def split(self, req: RouteRequest) -> bool:
-        """Whether ``req`` (prepared: keyed and looked up) goes to a prefill and a decode replica."""
+    def decide(self, req: RouteRequest) -> str:
+        """How ``req`` (prepared: keyed and looked up) goes: :data:`WHOLE`, :data:`SPLIT` or :data:`LOCAL`."""
         roles = self._roles_of(req)
         if roles is None:
-            return False
-        if not roles.whole:
-            return True
-        if not req.prompt_tokens:
-            return False  # not keyed: its prefill cannot be told long
-        # the replicas its decision weighs (all, or on a large fleet a few): the best cache among those of role both
+            return WHOLE
+        if not req.prompt_tokens:  # not keyed: its prefill cannot be told short
+            return WHOLE if roles.whole else SPLIT
+        # the replicas its decision weighs (all, or on a large fleet a few): the best cache of each role
         get = self.pool.get
-        cached = 0
+        both = decode = 0
         for name, tokens in req.cached.items():
             r = get(name)
-            if tokens > cached and r is not None and r.view.role == "both":
-                cached = tokens
-        return req.prompt_tokens - cached >= self.cfg.min_uncached_tokens
+            if r is None:
+                continue
+            role = r.view.role
+            if role == "both":
+                both = max(both, tokens)
+            elif role == "decode":
+                decode = max(decode, tokens)
+        least = self.cfg.min_uncached_tokens
+        if roles.whole and req.prompt_tokens - both < least:
+            return WHOLE
+        if req.prompt_tokens - max(both, decode) < least:
+            return LOCAL
+        return SPLIT
 
     def _current(self) -> dict[str, _Roles]:
         now = time.monotonic()

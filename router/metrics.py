@@ -51,7 +51,8 @@ class Metrics:
             "kvroute_disaggregated_requests", "Requests split into a prefill and a decode, by how the split went: "
             "split (the decode read the prefill's KV), no_transfer_params (the prefill named none: the decode "
             "computed the prompt), prefill_failed (no prefill replica answered: the decode computed it), "
-            "prefill_again (a decode attempt failed after it may have read the KV: prefilled once more).",
+            "prefill_again (a decode attempt failed after it may have read the KV: prefilled once more); and "
+            "local: not split, sent whole to a decode replica holding nearly all its prompt (computing the rest).",
             ["outcome"], registry=r)
         self.upstream_errors = Counter(
             "kvroute_upstream_errors", "Failures talking to a replica, by kind.", ["replica", "kind"], registry=r)

@@ -30,7 +30,7 @@ from typing import Any
 
 from .call import HOP_BY_HOP, Call, ClientStalled, WriteWatch, response_headers
 from .config import ProxyConfig
-from .disaggregation import Splitter, decode_body, prefill_body, request_object, transfer_params
+from .disaggregation import LOCAL, SPLIT, Splitter, decode_body, prefill_body, request_object, transfer_params
 from .errors import GatewayError, send_error, sse_error
 from .stream_failover import Splice, SpliceError, continuation
 from .failure_kinds import KINDS, FailureKind
@@ -155,7 +155,11 @@ class Forwarder:
         split = False
         if self.splitter is not None and self.splitter.possible(call.route):
             await self.decider.prepare(call.route)  # the split depends on what its prompt would cost whole
-            split = self.splitter.split(call.route)
+            way = self.splitter.decide(call.route)
+            split = way == SPLIT
+            if way == LOCAL:
+                call.route.phase = LOCAL
+                self.metrics.disaggregated.labels("local").inc()
         while True:
             if split and call.decode_body is None:
                 decode_tried = call.route.exclude

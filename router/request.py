@@ -41,7 +41,8 @@ class RouteRequest:
     continues: Continuation | None = None  # the answered prompt's tail it holds, if one waits
     session_replica: str | None = None
     candidates: tuple[str, ...] | None = None  # the replicas its decision weighs (None: every replica)
-    # whole; or, split between two replicas (router.disaggregation), its prefill or its decode
+    # whole; or, split between two replicas (router.disaggregation), its prefill or its decode; or local: whole, on
+    # a replica of role decode (or both) that holds nearly all its prompt
     phase: str = "whole"
 
     def uncached(self, replica: str) -> int:

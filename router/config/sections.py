@@ -219,10 +219,11 @@ class DisaggregationConfig(_Model):
 
     enabled: bool = Field(True, description="split requests where the fleet has prefill or decode replicas (roles); "
                           "off: every request goes whole to a replica of role both")
-    min_uncached_tokens: int = Field(1024, ge=0, description="a request is split when the best replica of role both "
-                                     "would have to prefill at least this many of its prompt tokens (the index's "
-                                     "prediction); a shorter prefill is cheaper there whole. Without a replica of "
-                                     "role both every request is split")
+    min_uncached_tokens: int = Field(1024, ge=0, description="a request is split when every replica that could take "
+                                     "it whole (role both, or decode, which computes what it lacks) would have to "
+                                     "prefill at least this many of its prompt tokens (the index's prediction); "
+                                     "else it goes whole to the one holding enough (role both first). 0: split "
+                                     "every request")
 
 
 class PolicyConfig(_Model):

@@ -56,12 +56,13 @@ class BelowCapacity(Filter):
 @register_filter("role")
 class Role(Filter):
     """A whole request goes to a replica of role both; a split one's prefill to prefill or both, its decode to
-    decode or both."""
+    decode or both; one sent whole where its prompt nearly all sits (phase local) to decode or both."""
 
     when_empty = "no_role"
 
     def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
-        return view.role == "both" or view.role == req.phase
+        role = view.role
+        return role == "both" or role == req.phase or (role == "decode" and req.phase == "local")
 
 
 DEFAULT_FILTERS = ("ready", "serves-model", "role", "not-drained", "not-tried", "below-capacity")

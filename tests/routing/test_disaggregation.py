@@ -16,6 +16,11 @@ LONG = "the quick brown fox jumps over the lazy dog " * 200  # 8,800 bytes: ~2,2
 SHORT = "hello there"
 
 
+def fresh(i: int) -> str:
+    """A long prompt no replica holds yet (a decode replica holding one takes it whole, prefilled nowhere)."""
+    return f"request {i}: {LONG}"
+
+
 def fleet(cluster, roles: list[str], sims: dict[str, tuple[str, ...]] | None = None, **settings):
     """Stand-ins of the given roles (named by role and number) behind a router."""
     procs, replicas = {}, []
@@ -84,10 +89,32 @@ def test_a_long_uncached_prompt_is_split_although_a_replica_of_role_both_could_t
     assert r.headers["x-kvroute-replica"] in ("both0", "decode2")
 
 
-def test_a_fleet_without_replicas_of_role_both_splits_even_short_prompts(cluster):
+def test_a_fleet_without_replicas_of_role_both_splits_a_long_prompt(cluster):
+    router, sims = fleet(cluster, ["prefill", "decode"])
+    r = complete(router)
+    assert r.status_code == 200 and r.headers["x-kvroute-prefill-replica"] == "prefill0"
+
+
+def test_a_short_prompt_goes_whole_to_a_decode_replica_where_no_replica_takes_both(cluster):
     router, sims = fleet(cluster, ["prefill", "decode"])
     r = complete(router, SHORT)
-    assert r.status_code == 200 and r.headers["x-kvroute-prefill-replica"] == "prefill0"
+    assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "decode1"
+    assert "x-kvroute-prefill-replica" not in r.headers and state(sims["prefill0"])["counters"]["received"] == 0
+    assert "kv_transfer_params" not in state(sims["decode1"])["counters"]["last_body"]
+    assert outcomes(router) == {"local": 1.0}
+
+
+def test_the_next_turn_of_a_conversation_decoded_on_a_decode_replica_is_prefilled_nowhere_else(cluster):
+    router, sims = fleet(cluster, ["prefill", "prefill", "decode", "decode"])
+    first = complete(router)
+    decoded_on = first.headers["x-kvroute-replica"]
+    assert first.headers["x-kvroute-prefill-replica"].startswith("prefill")
+    follow_up = LONG + first.json()["choices"][0]["text"] + " and what came next?"
+    r = complete(router, follow_up)
+    assert r.status_code == 200 and r.headers["x-kvroute-replica"] == decoded_on
+    assert "x-kvroute-prefill-replica" not in r.headers
+    assert sum(state(sims[n])["counters"]["received"] for n in ("prefill0", "prefill1")) == 1
+    assert outcomes(router) == {"split": 1.0, "local": 1.0}
 
 
 def test_with_disaggregation_off_every_request_goes_whole_to_a_replica_of_role_both(cluster):
@@ -101,8 +128,8 @@ def test_a_prefill_replica_that_fails_is_replaced_by_another(cluster):
                          sims={"prefill0": ("--fail-status", "500", "--fail-count", "100", *NIXL),
                                "prefill1": ("--fail-status", "500", "--fail-count", "100", *NIXL)})
     httpx.post(sims["prefill1"].url + "/sim/faults", json={"fail_count": 0}, timeout=5)
-    for _ in range(4):
-        r = complete(router)
+    for i in range(4):
+        r = complete(router, fresh(i))
         assert r.status_code == 200 and r.headers["x-kvroute-prefill-replica"] == "prefill1"
     assert state(sims["decode2"])["kv_transfer"]["transfers"] == 4
 
@@ -154,7 +181,7 @@ def test_a_decode_attempt_that_failed_after_its_request_went_out_is_prefilled_ag
                          sims={"decode1": ("--fail-status", "500", "--fail-count", "1000", *NIXL)})
     sent = 0
     while state(sims["decode1"])["counters"]["failed"] == 0 and sent < 20:
-        r = complete(router)
+        r = complete(router, fresh(sent))
         sent += 1
         assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "decode2", r.text
     failed = state(sims["decode1"])["counters"]["failed"]
@@ -187,8 +214,8 @@ def test_a_prefill_replica_killed_mid_prefill_is_replaced_by_another(cluster):
 def test_a_decode_stream_broken_midway_goes_on_on_another_decode_replica(cluster):
     router, sims = fleet(cluster, ["prefill", "decode", "decode"],
                          sims={"decode1": ("--die-after-chunks", "3", *NIXL)}, health={"eject_after": 100})
-    for _ in range(20):
-        r = complete(router, stream=True, max_tokens=8)
+    for i in range(20):
+        r = complete(router, fresh(i), stream=True, max_tokens=8)
         assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
         assert r.text.count('"text":') == 8
         if state(sims["decode1"])["counters"]["received"]:

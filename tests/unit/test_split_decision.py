@@ -4,7 +4,7 @@ protocol), on a pool of replicas marked ready (no process: pure decisions)."""
 import json
 
 from router.config import RouterConfig
-from router.disaggregation import Splitter, decode_body, prefill_body, request_object, transfer_params
+from router.disaggregation import LOCAL, SPLIT, WHOLE, Splitter, decode_body, prefill_body, request_object, transfer_params
 from router.gateway import Gateway
 from router.policy import Role
 from router.request import RouteRequest
@@ -34,7 +34,7 @@ def request(prompt_tokens: int = 0, cached: dict[str, int] | None = None, endpoi
 
 def test_a_fleet_of_role_both_only_never_splits():
     s, _ = splitter(["both", "both"])
-    assert not s.split(request(100_000))
+    assert s.decide(request(100_000)) == WHOLE
 
 
 def test_requests_on_a_fleet_without_one_phase_replicas_are_not_keyed_ahead_of_their_decision():
@@ -44,51 +44,66 @@ def test_requests_on_a_fleet_without_one_phase_replicas_are_not_keyed_ahead_of_t
     assert s.possible(request()) and not s.possible(request(endpoint="/v1/embeddings"))
 
 
-def test_without_a_replica_of_role_both_every_request_is_split_even_an_unkeyed_one():
-    s, _ = splitter(["prefill", "decode"])
-    assert s.split(request(0)) and s.split(request(10))
+def test_without_a_replica_of_role_both_a_long_prompt_and_an_unkeyed_one_are_split():
+    s, _ = splitter(["prefill", "decode"], min_uncached_tokens=1000)
+    assert s.decide(request(0)) == SPLIT and s.decide(request(1000)) == SPLIT
+
+
+def test_without_a_replica_of_role_both_a_short_prompt_goes_whole_to_a_decode_replica():
+    s, _ = splitter(["prefill", "decode"], min_uncached_tokens=1000)
+    assert s.decide(request(999)) == LOCAL
+
+
+def test_a_prompt_nearly_all_on_a_decode_replica_is_decoded_there_without_a_prefill():
+    # the next turn of a conversation: the decode replica holds its earlier turns
+    s, _ = splitter(["both", "prefill", "decode"], min_uncached_tokens=1000)
+    assert s.decide(request(9000, {"decode2": 8500})) == LOCAL
+    assert s.decide(request(9000, {"decode2": 8000})) == SPLIT
+    # a replica of role both holding as much is preferred: it is made for whole requests
+    assert s.decide(request(9000, {"decode2": 8500, "both0": 8500})) == WHOLE
 
 
 def test_a_long_uncached_prompt_is_split_and_a_short_one_is_not():
     s, _ = splitter(["both", "prefill", "decode"], min_uncached_tokens=1000)
-    assert s.split(request(1000)) and not s.split(request(999))
+    assert s.decide(request(1000)) == SPLIT and s.decide(request(999)) == WHOLE
 
 
 def test_a_prompt_mostly_cached_on_a_replica_of_role_both_goes_whole():
     s, _ = splitter(["both", "prefill", "decode"], min_uncached_tokens=1000)
-    assert not s.split(request(5000, {"both0": 4500}))
+    assert s.decide(request(5000, {"both0": 4500})) == WHOLE
     # the prefill replica's cache does not count against splitting: the split would use it
-    assert s.split(request(5000, {"prefill1": 4500}))
+    assert s.decide(request(5000, {"prefill1": 4500})) == SPLIT
 
 
 def test_other_endpoints_pinned_requests_and_unknown_models_go_whole():
     s, _ = splitter(["prefill", "decode"])
-    assert not s.split(request(5000, endpoint="/v1/embeddings"))
-    assert not s.split(request(5000, model="other"))
+    assert s.decide(request(5000, endpoint="/v1/embeddings")) == WHOLE
+    assert s.decide(request(5000, model="other")) == WHOLE
     pinned = request(5000)
     pinned.pinned = "decode1"
-    assert not s.split(pinned)
+    assert s.decide(pinned) == WHOLE
 
 
 def test_switched_off_nothing_is_split():
     s, _ = splitter(["prefill", "decode"], enabled=False)
-    assert not s.split(request(5000))
+    assert s.decide(request(5000)) == WHOLE
 
 
 def test_the_roles_are_read_again_when_a_replica_becomes_unready():
     s, gw = splitter(["both", "prefill", "decode"])
-    assert not s.split(request(10))
+    assert s.decide(request(10)) == WHOLE
     both = gw.pool.get("both0")
     assert both is not None
     gw.pool.health.mark_failure(both, "down", immediate=True)
-    assert not both.ready and s.split(request(10))
+    assert not both.ready and s.decide(request(0)) == SPLIT
 
 
 def test_the_role_filter_keeps_both_for_every_phase_and_one_phase_replicas_for_theirs():
     keep = Role().keep
     r = request()
     views = {role: ReplicaView(name=role, role=role) for role in ("both", "prefill", "decode")}
-    for phase, kept in (("whole", {"both"}), ("prefill", {"both", "prefill"}), ("decode", {"both", "decode"})):
+    for phase, kept in (("whole", {"both"}), ("prefill", {"both", "prefill"}), ("decode", {"both", "decode"}),
+                        ("local", {"both", "decode"})):
         r.phase = phase
         assert {n for n, v in views.items() if keep(r, v)} == kept
 
