@@ -50,12 +50,15 @@ LOCAL = "local"  # whole, to a replica of role decode or both that holds nearly 
 class _Roles:
     whole: int  # ready replicas of role both
     split: bool  # some ready replica does one phase only
+    prefill_platforms: frozenset[str]  # platforms of its prefill replicas whose KV some decode replica can read
 
 
 class Splitter:
     def __init__(self, pool: ReplicaPool, cfg: DisaggregationConfig, events: EventBus) -> None:
         self.pool = pool
         self.cfg = cfg
+        self._pairs = cfg.pairs()
+        self._readers: dict[str, frozenset[str]] = {}  # prefill platform -> the platforms that can read its KV
         self._roles: dict[str, _Roles] = {}  # per model served, as of _at
         self._at = -1.0
         events.subscribe(self._on_event)
@@ -75,11 +78,29 @@ class Splitter:
         roles = self._current().get(req.model)
         return roles if roles is not None and roles.split else None
 
+    def can_transfer(self, prefill: str, decode: str) -> bool:
+        """Whether a decode replica on platform ``decode`` can read KV prefilled on platform ``prefill``."""
+        return prefill == decode or (prefill, decode) in self._pairs
+
+    def prefill_platforms(self, req: RouteRequest) -> frozenset[str] | None:
+        """The platforms ``req``'s prefill may run on: those whose KV a decode replica of its model can read."""
+        roles = self._current().get(req.model or "")
+        return roles.prefill_platforms if roles is not None else None
+
+    def readers(self, platform: str) -> frozenset[str]:
+        """The platforms whose decode replicas can read KV prefilled on ``platform``."""
+        got = self._readers.get(platform)
+        if got is None:
+            got = self._readers[platform] = frozenset({platform, *(b for a, b in self._pairs if a == platform)})
+        return got
+
     def decide(self, req: RouteRequest) -> str:
         """How ``req`` (prepared: keyed and looked up) goes: :data:`WHOLE`, :data:`SPLIT` or :data:`LOCAL`."""
         roles = self._roles_of(req)
         if roles is None:
             return WHOLE
+        if not roles.prefill_platforms:  # no prefill replica whose KV a decode replica could read
+            return WHOLE if roles.whole else LOCAL
         if not req.prompt_tokens:  # not keyed: its prefill cannot be told short
             return WHOLE if roles.whole else SPLIT
         # the replicas its decision weighs (all, or on a large fleet a few): the best cache of each role
@@ -106,6 +127,8 @@ class Splitter:
         if now - self._at >= REFRESH_S:
             whole: dict[str, int] = {}
             split: set[str] = set()
+            prefills: dict[str, set[str]] = {}  # model -> platforms of its replicas able to prefill, and to decode
+            decodes: dict[str, set[str]] = {}
             for r in self.pool:
                 view = r.view
                 if not view.ready:
@@ -115,7 +138,13 @@ class Splitter:
                         whole[model] = whole.get(model, 0) + 1
                     else:
                         split.add(model)
-            self._roles = {m: _Roles(whole.get(m, 0), m in split) for m in whole.keys() | split}
+                    if view.role != "decode":
+                        prefills.setdefault(model, set()).add(view.platform)
+                    if view.role != "prefill":
+                        decodes.setdefault(model, set()).add(view.platform)
+            self._roles = {m: _Roles(whole.get(m, 0), m in split, frozenset(
+                p for p in prefills.get(m, ()) if any(self.can_transfer(p, d) for d in decodes.get(m, ()))))
+                for m in whole.keys() | split}
             self._at = now
         return self._roles
 

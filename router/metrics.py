@@ -52,7 +52,9 @@ class Metrics:
             "split (the decode read the prefill's KV), no_transfer_params (the prefill named none: the decode "
             "computed the prompt), prefill_failed (no prefill replica answered: the decode computed it), "
             "prefill_again (a decode attempt failed after it may have read the KV: prefilled once more); and "
-            "local: not split, sent whole to a decode replica holding nearly all its prompt (computing the rest).",
+            "local: not split, sent whole to a decode replica holding nearly all its prompt (computing the rest); "
+            "no_transfer_pair: prefilled, but no decode replica left that can read KV from that platform (one "
+            "computed the prompt).",
             ["outcome"], registry=r)
         self.upstream_errors = Counter(
             "kvroute_upstream_errors", "Failures talking to a replica, by kind.", ["replica", "kind"], registry=r)

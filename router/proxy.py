@@ -170,6 +170,11 @@ class Forwarder:
             try:
                 ticket = await self.decider.route(call.route)
             except GatewayError:
+                if split and call.route.platforms is not None:  # no decode replica left that can read that KV
+                    self.metrics.disaggregated.labels("no_transfer_pair").inc()
+                    call.route.platforms = None
+                    call.decode_body = call.body  # the replica computes the prompt
+                    continue
                 if call.splice is not None:
                     assert failure is not None
                     return await self._end_stream(call, send, failure.kind)
@@ -199,6 +204,7 @@ class Forwarder:
                 call.resume.flush()  # half an event the broken stream left: never sent, and dropped now
                 call.continued = continuation(call.path, call.body, call.resume)
                 call.splice = Splice(call.resume)
+                call.route.platforms = None  # a continuation reads no transferred KV: any replica may compute it
                 call.broken = None  # the break is this replica's; the next one is judged by its own answer
                 log.info("stream from %s broke after %d token(s) (%s); continuing on another replica", ticket.name,
                          call.resume.tokens, failure.kind, extra={"request_id": call.request_id, "replica": ticket.name})
@@ -370,6 +376,8 @@ class Forwarder:
             return True
         body = prefill_body(payload)
         req.phase = "prefill"
+        assert self.splitter is not None
+        req.platforms = self.splitter.prefill_platforms(req)
         tries = 0
         params: dict[str, Any] | None = None
         outcome = "prefill_failed"
@@ -390,6 +398,8 @@ class Forwarder:
                     ticket.finish(200)
                     params = transfer_params(answer)
                     call.prefill_replica = ticket.name
+                    if params is not None:  # its decode, where that KV can be read
+                        req.platforms = self.splitter.readers(ticket.replica.config.platform)
                     outcome = "split" if params is not None else "no_transfer_params"
                     if params is None:
                         log.warning("prefill on %s named no KV to read; the decode replica computes the prompt",
@@ -405,6 +415,8 @@ class Forwarder:
                          extra={"request_id": call.request_id, "replica": ticket.name})
         finally:
             req.phase = "decode"
+            if params is None:
+                req.platforms = None
         self.metrics.disaggregated.labels(outcome).inc()
         call.decode_body = call.body if params is None else decode_body(payload, params)
         return True

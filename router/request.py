@@ -44,6 +44,9 @@ class RouteRequest:
     # whole; or, split between two replicas (router.disaggregation), its prefill or its decode; or local: whole, on
     # a replica of role decode (or both) that holds nearly all its prompt
     phase: str = "whole"
+    # of a split request: the platforms of the replicas its phase may use (KV moves only between platforms able to
+    # transfer: router.disaggregation); None: any
+    platforms: frozenset[str] | None = None
 
     def uncached(self, replica: str) -> int:
         """Prompt tokens ``replica`` would have to prefill (as the prefix index predicts); none for the decode of

@@ -26,6 +26,7 @@ class ReplicaView(NamedTuple):
     external_load: float = 0.0  # other clients' requests at the last scrape
     restarts: int = 0  # restarts the router saw (a new process: one that failed a request may be tried again)
     role: str = "both"  # both, prefill or decode (disaggregated prefill and decode)
+    platform: str = "cuda"  # what it runs on (router/platforms.py): which replicas it can move KV to and from
     # from the load table, at the decision (these three stay last: see with_load)
     drained: bool = False  # an operator stopped new requests to it
     inflight: int = 0

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from .. import platforms
 from ..store.client import parse_url
 from .fields import _Model
 from .replica import ReplicaConfig
@@ -224,13 +225,33 @@ class DisaggregationConfig(_Model):
                                      "prefill at least this many of its prompt tokens (the index's prediction); "
                                      "else it goes whole to the one holding enough (role both first). 0: split "
                                      "every request")
+    transfers: list[str] = Field(default_factory=list, description="platforms able to move KV between them besides "
+                                 "a platform to itself, as PREFILL>DECODE (e.g. cuda>gaudi2: vllm-gaudi's "
+                                 "heterogeneous disaggregation, prefill on CUDA, decode on Gaudi). A request is split "
+                                 "only between replicas of one platform or of a pair listed here")
+
+    @field_validator("transfers")
+    @classmethod
+    def _check_transfers(cls, v: list[str]) -> list[str]:
+        for pair in v:
+            prefill, sep, decode = pair.partition(">")
+            if not sep or not prefill.strip() or not decode.strip():
+                raise ValueError(f"{pair!r}: PREFILL_PLATFORM>DECODE_PLATFORM, e.g. cuda>gaudi2")
+            for name in (prefill.strip(), decode.strip()):
+                platforms.get(name)  # raises, naming the known ones
+        return v
+
+    def pairs(self) -> frozenset[tuple[str, str]]:
+        """(prefill platform, decode platform) pairs able to transfer, besides a platform to itself."""
+        return frozenset((a.strip(), b.strip()) for a, _, b in (p.partition(">") for p in self.transfers))
 
 
 class PolicyConfig(_Model):
     """A routing pipeline: filters in order, weighted scorers, a picker."""
 
     filters: list[str | StageConfig] | None = Field(None, description="filters in order; default: ready, "
-                                                     "serves-model, not-drained, not-tried, below-capacity")
+                                                     "serves-model, role, transfer-pair, not-drained, not-tried, "
+                                                     "below-capacity")
     scorers: list[StageConfig] = Field(default_factory=list, description="scorers and their weights")
     picker: str | StageConfig = Field("max-score", description="max-score or round-robin")
 

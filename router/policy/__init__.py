@@ -24,7 +24,7 @@ from __future__ import annotations
 from .build import build_policy
 from .cost import CostTerms, PredictedTTFTScorer
 from .decision import Policy
-from .filters import DEFAULT_FILTERS, BelowCapacity, NotDrained, NotTried, Ready, Role, ServesModel
+from .filters import DEFAULT_FILTERS, BelowCapacity, NotDrained, NotTried, Ready, Role, ServesModel, TransferPair
 from .pickers import MaxScoreParams, MaxScorePicker, RoundRobinPicker
 from .scorers import KVUsageScorer, LoadScorer, PrefixScorer, SessionScorer
 from .stages import (FILTERS, PICKERS, SCORERS, Empty, Filter, NoCandidate, Picker, Scored, Scorer, Stage,
@@ -33,5 +33,5 @@ from .stages import (FILTERS, PICKERS, SCORERS, Empty, Filter, NoCandidate, Pick
 __all__ = ["BelowCapacity", "CostTerms", "DEFAULT_FILTERS", "Empty", "FILTERS", "Filter", "KVUsageScorer",
            "LoadScorer", "MaxScoreParams", "MaxScorePicker", "NoCandidate", "NotDrained", "NotTried", "PICKERS", "Picker", "Policy",
            "PredictedTTFTScorer", "PrefixScorer", "Ready", "Role", "RoundRobinPicker", "SCORERS", "Scored", "Scorer",
-           "ServesModel", "SessionScorer", "Stage", "build_policy", "register_filter", "register_picker",
-           "register_scorer"]
+           "ServesModel", "SessionScorer", "Stage", "TransferPair", "build_policy", "register_filter",
+           "register_picker", "register_scorer"]

@@ -65,4 +65,17 @@ class Role(Filter):
         return role == "both" or role == req.phase or (role == "decode" and req.phase == "local")
 
 
-DEFAULT_FILTERS = ("ready", "serves-model", "role", "not-drained", "not-tried", "below-capacity")
+@register_filter("transfer-pair")
+class TransferPair(Filter):
+    """A split request's prefill goes to a replica whose KV some decode replica can read, and its decode to one
+    that can read the KV where it was prefilled (the same platform, or a pair ``disaggregation.transfers``
+    lists)."""
+
+    when_empty = "no_transfer_pair"
+
+    def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
+        allowed = req.platforms
+        return allowed is None or view.platform in allowed
+
+
+DEFAULT_FILTERS = ("ready", "serves-model", "role", "transfer-pair", "not-drained", "not-tried", "below-capacity")

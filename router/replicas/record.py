@@ -88,7 +88,7 @@ class Replica:
             prefill_marginal_s=min(self.kind_prefill[1] or 0.0, 1.0 / self.prefill_rate),
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             kv_usage=self.stats.kv_usage if self.stats is not None else 0.0, external_load=self.external_load,
-            restarts=self.restarts, role=cfg.role)
+            restarts=self.restarts, role=cfg.role, platform=cfg.platform)
 
     @property
     def kind(self) -> Kind:

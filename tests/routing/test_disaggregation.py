@@ -22,12 +22,13 @@ def fresh(i: int) -> str:
 
 
 def fleet(cluster, roles: list[str], sims: dict[str, tuple[str, ...]] | None = None, **settings):
-    """Stand-ins of the given roles (named by role and number) behind a router."""
+    """Stand-ins of the given roles (``role``, or ``role:platform``; named by role and number) behind a router."""
     procs, replicas = {}, []
-    for i, role in enumerate(roles):
+    for i, spec in enumerate(roles):
+        role, _, platform = spec.partition(":")
         name = f"{role}{i}"
         procs[name] = cluster.sim(*(sims or {}).get(name, NIXL))
-        replicas.append({"name": name, "url": procs[name].url, "role": role})
+        replicas.append({"name": name, "url": procs[name].url, "role": role, "platform": platform or "cuda"})
     router = cluster.router([], config={"replicas": replicas, **settings})
     return router, procs
 
@@ -223,3 +224,19 @@ def test_a_decode_stream_broken_midway_goes_on_on_another_decode_replica(cluster
     assert state(sims["decode1"])["counters"]["received"] == 1
     # the continuation carries the text so far and no transfer parameters: decode2 computes that prompt
     assert "kv_transfer_params" not in state(sims["decode2"])["counters"]["last_body"]
+
+
+
+def test_a_split_request_is_decoded_only_where_the_prefills_kv_can_be_read(cluster):
+    router, sims = fleet(cluster, ["prefill:cuda", "decode:gaudi2", "decode:cuda"])
+    for i in range(4):
+        r = complete(router, fresh(i))
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "decode2"
+    assert state(sims["decode1"])["counters"]["received"] == 0
+
+
+def test_a_configured_transfer_pair_lets_another_platform_decode(cluster):
+    router, sims = fleet(cluster, ["prefill:cuda", "decode:gaudi2"], disaggregation={"transfers": ["cuda>gaudi2"]})
+    r = complete(router)
+    assert r.status_code == 200 and r.headers["x-kvroute-prefill-replica"] == "prefill0"
+    assert state(sims["decode1"])["kv_transfer"]["transfers"] == 1

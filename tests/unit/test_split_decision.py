@@ -3,10 +3,13 @@ protocol), on a pool of replicas marked ready (no process: pure decisions)."""
 
 import json
 
+import pytest
+from pydantic import ValidationError
+
 from router.config import RouterConfig
 from router.disaggregation import LOCAL, SPLIT, WHOLE, Splitter, decode_body, prefill_body, request_object, transfer_params
 from router.gateway import Gateway
-from router.policy import Role
+from router.policy import Role, TransferPair
 from router.request import RouteRequest
 from router.view import ReplicaView
 
@@ -16,9 +19,13 @@ PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_id
 
 
 def splitter(roles: list[str], **settings) -> tuple[Splitter, Gateway]:
-    config = RouterConfig.model_validate({
-        "replicas": [{"name": f"{role}{i}", "url": f"http://127.0.0.1:{9 + i}", "models": ["m"], "role": role}
-                     for i, role in enumerate(roles)], "disaggregation": settings})
+    """Replicas of the given roles (``role`` or ``role:platform``), named by role and number."""
+    replicas = []
+    for i, spec in enumerate(roles):
+        role, _, platform = spec.partition(":")
+        replicas.append({"name": f"{role}{i}", "url": f"http://127.0.0.1:{9 + i}", "models": ["m"], "role": role,
+                         "platform": platform or "cuda"})
+    config = RouterConfig.model_validate({"replicas": replicas, "disaggregation": settings})
     gw = Gateway(config)
     for r in gw.pool:
         gw.pool.health.mark_success(r)
@@ -140,3 +147,34 @@ def test_transfer_parameters_are_taken_only_when_they_name_kv_to_read():
     assert transfer_params(b"not json") is None and transfer_params(b"[]") is None
     huge = {**PARAMS, "remote_block_ids": [list(range(20_000))]}
     assert transfer_params(json.dumps({"kv_transfer_params": huge}).encode()) is None
+
+
+def test_a_fleet_whose_prefill_kv_no_decode_replica_can_read_is_not_split():
+    s, _ = splitter(["prefill:cuda", "decode:gaudi2"], min_uncached_tokens=1000)
+    assert s.decide(request(5000)) == LOCAL  # the decode replica computes the prompt itself
+    s, _ = splitter(["prefill:cuda", "decode:gaudi2"], min_uncached_tokens=1000, transfers=["cuda>gaudi2"])
+    assert s.decide(request(5000)) == SPLIT
+
+
+def test_a_transfer_pair_goes_one_way_and_each_platform_reads_its_own():
+    s, _ = splitter(["prefill:cuda", "prefill:gaudi2", "decode:gaudi2"], transfers=["cuda>gaudi2"])
+    assert s.readers("cuda") == {"cuda", "gaudi2"} and s.readers("gaudi2") == {"gaudi2"}
+    assert s.prefill_platforms(request(5000)) == {"cuda", "gaudi2"}
+    s, _ = splitter(["prefill:gaudi2", "prefill:cuda", "decode:cuda"], transfers=["cuda>gaudi2"])
+    assert s.prefill_platforms(request(5000)) == {"cuda"}  # no decode replica reads Gaudi's KV
+
+
+@pytest.mark.parametrize("bad", ["cuda", "cuda>", "cuda>tpu"])
+def test_transfer_pairs_are_two_known_platforms(bad):
+    with pytest.raises(ValidationError) as e:
+        RouterConfig.model_validate({"disaggregation": {"transfers": [bad]}})
+    assert "disaggregation.transfers" in str(e.value)
+
+
+def test_the_transfer_pair_filter_keeps_the_platforms_a_split_request_allows():
+    keep = TransferPair().keep
+    r = request()
+    views = [ReplicaView(name=p, platform=p) for p in ("cuda", "gaudi2", "aurora-pvc")]
+    assert all(keep(r, v) for v in views)
+    r.platforms = frozenset({"gaudi2", "aurora-pvc"})
+    assert [v.name for v in views if keep(r, v)] == ["gaudi2", "aurora-pvc"]
