@@ -48,6 +48,11 @@ class RouteRequest:
     # transfer: router.disaggregation); None: any
     platforms: frozenset[str] | None = None
 
+    def missing(self, replica: str) -> int:
+        """Prompt tokens ``replica``'s cache lacks (as the prefix index predicts): computed there, or read from
+        the replica that prefilled them."""
+        return max(0, self.prompt_tokens - self.cached.get(replica, 0))
+
     def uncached(self, replica: str) -> int:
         """Prompt tokens ``replica`` would have to prefill (as the prefix index predicts); none for the decode of
         a split request, which reads its prompt's KV from the replica that prefilled it."""

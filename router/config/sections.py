@@ -184,6 +184,11 @@ class CacheAwareConfig(_Model):
                                     "this many requests in flight there (load term), times the share of answered "
                                     "prompts whose next turn came and grew the history by a whole block; 0 turns "
                                     "it off")
+    kv_read_cost: float = Field(0.0625, ge=0, le=1, description="the decode replica of a split request reads the "
+                                "prompt's KV it lacks instead of computing it: a token read costs this share of a "
+                                "token computed (1/16, about what a 70B model's 320 KiB per token over a Gaudi 2 node's 300 GB/s "
+                                "of scale-out ports takes against its prefill rate), so the one holding more of the "
+                                "prompt is preferred")
 
 
 class ConversationsConfig(_Model):

@@ -63,19 +63,23 @@ class PredictedTTFTScorer(Scorer):
     def _terms(self, req: RouteRequest, view: ReplicaView) -> tuple[float, ...]:
         """The terms in :class:`CostTerms` order, as a plain tuple (the hot path sums them)."""
         cfg = self.cfg
-        uncached = req.uncached(view.name)
+        missing = req.missing(view.name)  # what it adds to its cache, computed or read
+        if req.phase == "decode":  # a split request's decode: it reads what it lacks, and computes nothing
+            uncached, reading = 0, missing * cfg.kv_read_cost
+        else:
+            uncached, reading = missing, 0.0
         # vLLM prefills several requests in one scheduler step (chunked prefill): queued prefill that
         # does not fit in a step beside this request's own waits for earlier steps; what fits lengthens
         # the shared step by the time its tokens add to a step (nothing while that is not known)
         pending = view.pending_prefill
         queued = min(pending, max(0, pending + uncached - view.max_num_batched_tokens))
-        prefill = (uncached + queued) / view.prefill_rate
+        prefill = (uncached + queued + reading) / view.prefill_rate
         shared_step = (pending - queued) * view.prefill_marginal_s
         # the index holds a prompt's blocks once they are computed: blocks taken by prompts still in prefill
         # there are in use too, not room (without them a busy replica looks like the emptiest)
         cache_tokens = view.kv_blocks * view.block_size
         occupancy = min(1.0, req.occupancy.get(view.name, 0.0) + pending / cache_tokens)
-        stored = uncached - uncached % view.block_size  # the whole blocks it adds to the cache (about)
+        stored = missing - missing % view.block_size  # the whole blocks it adds to the cache (about)
         evict = 0.0
         if cfg.evict_weight and stored:
             # what does not fit in the free part of its cache pushes out cached prefixes, which their

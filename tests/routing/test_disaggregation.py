@@ -240,3 +240,12 @@ def test_a_configured_transfer_pair_lets_another_platform_decode(cluster):
     r = complete(router)
     assert r.status_code == 200 and r.headers["x-kvroute-prefill-replica"] == "prefill0"
     assert state(sims["decode1"])["kv_transfer"]["transfers"] == 1
+
+
+def test_a_split_request_is_decoded_where_most_of_its_prompt_is_held_already(cluster):
+    router, sims = fleet(cluster, ["prefill", "decode", "decode"])
+    first = complete(router)
+    held_by = first.headers["x-kvroute-replica"]
+    for i in range(3):  # long enough a new part to be split again, on top of what that decode replica holds
+        r = complete(router, LONG + f" and then part {i}: " + "a new paragraph follows here " * 300)
+        assert r.headers["x-kvroute-prefill-replica"] == "prefill0" and r.headers["x-kvroute-replica"] == held_by

@@ -106,6 +106,17 @@ def test_cached_prefix_lowers_the_cost_by_its_prefill_time():
     assert cost(v, cached=0) - cost(v, cached=768) == pytest.approx(0.768)
 
 
+def test_a_split_requests_decode_costs_reading_what_it_lacks_a_sixteenth_of_computing_it():
+    v = view("a", prefill_tokens_per_s=1000)
+    scorer = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0, evict_weight=0))
+    costs = {}
+    for cached in (0, 768):
+        r = req(prompt=1024, cached={"a": cached})
+        r.phase = "decode"
+        costs[cached] = scorer.cost(r, v)
+    assert costs[0] - costs[768] == pytest.approx(0.768 / 16)  # the decode replica holding more is preferred
+
+
 def test_eviction_cost_counts_only_what_does_not_fit():
     v = view("a", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100)
     r = req(prompt=1030, occupancy={"a": 0.5})  # 64 whole blocks (1024 tokens) stored, 800 tokens free: 224 evict
