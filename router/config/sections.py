@@ -186,9 +186,9 @@ class CacheAwareConfig(_Model):
                                     "it off")
     kv_read_cost: float = Field(0.0625, ge=0, le=1, description="the decode replica of a split request reads the "
                                 "prompt's KV it lacks instead of computing it: a token read costs this share of a "
-                                "token computed (1/16, about what a 70B model's 320 KiB per token over a Gaudi 2 node's 300 GB/s "
-                                "of scale-out ports takes against its prefill rate), so the one holding more of the "
-                                "prompt is preferred")
+                                "token computed (1/16, about what a 70B model's 320 KiB per token over a Gaudi 2 "
+                                "node's 300 GB/s of scale-out ports takes against its prefill rate), so the one "
+                                "holding more of the prompt is preferred")
 
 
 class ConversationsConfig(_Model):
