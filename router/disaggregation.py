@@ -10,12 +10,11 @@ computing the prompt and generates the answer the client gets (its usage counts 
 How a request goes is decided per request (:meth:`Splitter.decide`, from the fleet's roles per model, kept as
 replicas change rather than read per request), only where the model has replicas of role ``prefill`` or
 ``decode``; elsewhere it goes whole. A short prefill costs less than a second request and a transfer, so a request
-is split only when every replica that could take it whole would have to prefill at least
-``disaggregation.min_uncached_tokens`` of its prompt (as the prefix index predicts). Otherwise it goes whole: to a
-replica of role ``both`` that holds enough of it, else to a replica of role ``decode`` (or ``both``) that does,
-which computes the rest itself (the next turn of a conversation decoded there finds its earlier turns in that
-replica's cache: it is prefilled nowhere else). A request whose prompt could not be keyed goes whole where a
-replica of role ``both`` serves its model, else it is split. The forwarder (:mod:`router.proxy`) sends the
+is split unless a replica could take it whole with a short prefill (as the prefix index predicts): one of role
+``both`` with fewer than ``disaggregation.min_uncached_tokens`` to compute, else one of role ``decode`` with fewer
+than ``disaggregation.max_local_tokens`` (its prefill stalls the streams it decodes), which computes them itself
+(a next turn that adds little to a conversation decoded there is prefilled nowhere else). A request whose prompt
+could not be keyed goes whole where a replica of role ``both`` serves its model, else it is split. The forwarder (:mod:`router.proxy`) sends the
 halves.
 """
 
@@ -118,7 +117,7 @@ class Splitter:
         least = self.cfg.min_uncached_tokens
         if roles.whole and req.prompt_tokens - both < least:
             return WHOLE
-        if req.prompt_tokens - max(both, decode) < least:
+        if req.prompt_tokens - decode < min(least, self.cfg.max_local_tokens):
             return LOCAL
         return SPLIT
 

@@ -57,17 +57,21 @@ def test_without_a_replica_of_role_both_a_long_prompt_and_an_unkeyed_one_are_spl
 
 
 def test_without_a_replica_of_role_both_a_short_prompt_goes_whole_to_a_decode_replica():
-    s, _ = splitter(["prefill", "decode"], min_uncached_tokens=1000)
-    assert s.decide(request(999)) == LOCAL
+    s, _ = splitter(["prefill", "decode"], min_uncached_tokens=1000, max_local_tokens=128)
+    assert s.decide(request(127)) == LOCAL
+    # longer, its prefill there would stall the streams the decode replica serves
+    assert s.decide(request(128)) == SPLIT and s.decide(request(999)) == SPLIT
 
 
 def test_a_prompt_nearly_all_on_a_decode_replica_is_decoded_there_without_a_prefill():
     # the next turn of a conversation: the decode replica holds its earlier turns
-    s, _ = splitter(["both", "prefill", "decode"], min_uncached_tokens=1000)
-    assert s.decide(request(9000, {"decode2": 8500})) == LOCAL
-    assert s.decide(request(9000, {"decode2": 8000})) == SPLIT
-    # a replica of role both holding as much is preferred: it is made for whole requests
-    assert s.decide(request(9000, {"decode2": 8500, "both0": 8500})) == WHOLE
+    s, _ = splitter(["both", "prefill", "decode"], min_uncached_tokens=1000, max_local_tokens=128)
+    assert s.decide(request(9000, {"decode2": 8900})) == LOCAL
+    assert s.decide(request(9000, {"decode2": 8500})) == SPLIT
+    # a replica of role both holding enough is preferred: it is made for whole requests
+    assert s.decide(request(9000, {"decode2": 8900, "both0": 8500})) == WHOLE
+    s, _ = splitter(["prefill", "decode"], max_local_tokens=0)
+    assert s.decide(request(9000, {"decode1": 8999})) == SPLIT  # 0: a decode replica never prefills
 
 
 def test_a_long_uncached_prompt_is_split_and_a_short_one_is_not():
