@@ -14,8 +14,8 @@ is split unless a replica could take it whole with a short prefill (as the prefi
 ``both`` with fewer than ``disaggregation.min_uncached_tokens`` to compute, else one of role ``decode`` with fewer
 than ``disaggregation.max_local_tokens`` (its prefill stalls the streams it decodes), which computes them itself
 (a next turn that adds little to a conversation decoded there is prefilled nowhere else). A request whose prompt
-could not be keyed goes whole where a replica of role ``both`` serves its model, else it is split. The forwarder (:mod:`router.proxy`) sends the
-halves.
+could not be keyed goes whole where a replica of role ``both`` serves its model, else it is split. The forwarder
+(:mod:`router.proxy`) sends the halves.
 """
 
 from __future__ import annotations
