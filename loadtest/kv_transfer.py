@@ -52,6 +52,10 @@ SWEEP_EVERY_S = 1.0  # expired leases are looked for at most this often (every k
 MAX_HELD = 100_000  # requests whose blocks wait to be read, at most (the oldest are freed first past it)
 
 
+# what a side channel that cannot be reached (or answers garbage, or names a bad address) raises
+_UNREACHABLE = (OSError, TimeoutError, ValueError, TypeError, asyncio.IncompleteReadError)
+
+
 class TransferFailed(Exception):
     """The decode side could not read the prompt's KV from the prefill side."""
 
@@ -201,17 +205,22 @@ class KvTransfer:
                            "remote_engine_id": params["remote_engine_id"]}).encode()
         while True:
             await asyncio.sleep(self.lease_s / 6 * self.time_scale)
-            side: H1Connection | None = None
             try:
-                side = H1Connection(str(params["remote_host"]), int(params["remote_port"]))
-                async with asyncio.timeout(self.read_timeout_s):
-                    await side.post("/sim/kv_pull", body)
+                await self._side_channel(params, body)
                 self.c.heartbeats += 1
-            except (OSError, TimeoutError, ValueError, TypeError, asyncio.IncompleteReadError):
+            except _UNREACHABLE:
                 pass  # the read will tell
-            finally:
-                if side is not None:
-                    await side.close()
+
+    async def _side_channel(self, params: dict[str, Any], body: bytes) -> int:
+        """POST ``body`` to the side channel of the prefill side ``params`` name; its answer's status."""
+        side: H1Connection | None = None
+        try:
+            side = H1Connection(str(params["remote_host"]), int(params["remote_port"]))
+            async with asyncio.timeout(self.read_timeout_s):
+                return (await side.post("/sim/kv_pull", body)).status
+        finally:
+            if side is not None:
+                await side.close()
 
     async def read(self, params: dict[str, Any], tokens: int) -> None:
         """Read ``tokens`` of a prompt's KV from the prefill side ``params`` name, taking the link's time.
@@ -219,17 +228,11 @@ class KvTransfer:
         started = time.monotonic()
         body = json.dumps({"remote_engine_id": params["remote_engine_id"],
                            "remote_request_id": params["remote_request_id"]}).encode()
-        side: H1Connection | None = None
         try:
-            side = H1Connection(str(params["remote_host"]), int(params["remote_port"]))
-            async with asyncio.timeout(self.read_timeout_s):
-                status = (await side.post("/sim/kv_pull", body)).status
-        except (OSError, TimeoutError, ValueError, TypeError, asyncio.IncompleteReadError) as e:
+            status = await self._side_channel(params, body)
+        except _UNREACHABLE as e:
             self.c.failed += 1
             raise TransferFailed(f"cannot reach the prefill side: {e}") from None
-        finally:
-            if side is not None:
-                await side.close()
         if status != 200:
             self.c.failed += 1
             raise TransferFailed(f"the prefill side does not hold request {params['remote_request_id']!r}")
