@@ -27,6 +27,8 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import heapq
+import itertools
 import json
 import math
 import os
@@ -222,14 +224,49 @@ def shared_tokenizer(root: str) -> LocalTokenizer:
     return LocalTokenizer(root)
 
 
+class Slots:
+    """``max_num_seqs`` requests run at once; the rest wait first come first served or, as vLLM's
+    ``--scheduling-policy priority`` orders its waiting requests, by their ``priority`` (lower first), then
+    arrival."""
+
+    def __init__(self, n: int, by_priority: bool = False) -> None:
+        self.free = n
+        self.by_priority = by_priority
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
+
+    async def acquire(self, priority: int = 0) -> None:
+        if self.free > 0 and not self._waiting:
+            self.free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (priority if self.by_priority else 0, next(self._arrivals), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # a slot was handed over as it left
+                self.release()
+            raise
+
+    def release(self) -> None:
+        while self._waiting:
+            fut = heapq.heappop(self._waiting)[2]
+            if not fut.done():  # a waiter that left is skipped
+                fut.set_result(None)
+                return
+        self.free += 1
+
+
 class VLLMSimulator:
     def __init__(self, model: str, ttft_ms: float = 20.0, itl_ms: float = 5.0, prefill_us_per_token: float = 0.0,
                  max_num_seqs: int = 256, block_size: int = 128, num_gpu_blocks: int = 16384,
                  max_model_len: int = 4096, bytes_per_token: int = 4, api_key: str | None = None,
                  faults: Faults | None = None, seed: int | None = None, root: str | None = None,
                  kv_events: KvPublisher | None = None, engine: Engine | None = None, time_scale: float = 1.0,
-                 store_responses: bool = False, transfer: KvTransfer | None = None) -> None:
+                 store_responses: bool = False, transfer: KvTransfer | None = None,
+                 scheduling_policy: str = "fcfs") -> None:
         self.model = model
+        self.scheduling_policy = scheduling_policy
         self._metrics_rest = metrics_rest(model)
         self.root = root or f"/models/{model}"  # what /v1/models reports the model was loaded from
         # with the model's tokenizer in that folder, prompts are its token ids (as vLLM's); without, a
@@ -249,7 +286,7 @@ class VLLMSimulator:
         self.kv_blocks_in_use = 0
         self.start_time = time.time()
         self.created = int(self.start_time)
-        self._slots = asyncio.Semaphore(max_num_seqs) if max_num_seqs else None
+        self._slots = Slots(max_num_seqs, scheduling_policy == "priority") if max_num_seqs else None
         self.kv_events = kv_events
         self.cache = PrefixCache(block_size, num_gpu_blocks, kv_events, seed)
         # with an engine, it schedules, times and caches every generation request (--engine)
@@ -515,6 +552,9 @@ class VLLMSimulator:
         bad = _invalid_fields(req)
         if bad is not None:
             return await _json(send, 400, _error(bad[1], "Bad Request", bad[0], 400))
+        if _priority(req) != 0 and self.scheduling_policy != "priority":  # vLLM's engine refuses it so
+            return await _json(send, 400, _error(f"Got priority {_priority(req)} but Priority scheduling is not "
+                                                 "enabled.", "BadRequestError", None, 400))
         try:
             prompt_text(req, chat).encode("utf-8")
         except RecursionError:
@@ -560,12 +600,13 @@ class VLLMSimulator:
         try:
             with _ClientGone(receive, self.c):
                 if self._slots is not None:
+                    priority = _priority(req)
                     if remote_prefill:
                         assert t is not None
                         async with t.waiting(params):
-                            await self._slots.acquire()
+                            await self._slots.acquire(priority)
                     else:
-                        await self._slots.acquire()
+                        await self._slots.acquire(priority)
                     holding = True
                 self.c.waiting -= 1
                 self.c.running += 1
@@ -990,6 +1031,11 @@ def _lax_int(v: Any) -> int | None:
     return int(v)
 
 
+def _priority(req: dict[str, Any]) -> int:
+    v = req.get("priority", 0)
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
 def _invalid_fields(req: dict[str, Any]) -> tuple[str, str] | None:
     """(field, message) of the first field vLLM's request model would refuse, or None."""
     for name in ("max_tokens", "max_completion_tokens", "n", "max_output_tokens"):
@@ -1081,6 +1127,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-us-per-token", type=float, default=0.0, help="time to first token, per prompt token")
     p.add_argument("--itl-ms", type=float, default=5.0, help="time between output tokens")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once; the rest wait")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="as vllm's: the waiting requests in arrival order, or by their priority (lower first); "
+                        "fcfs refuses a priority other than 0 (400)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--num-gpu-blocks", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -1206,7 +1255,8 @@ def build(args: argparse.Namespace, index: int = 0) -> VLLMSimulator:
                          max_model_len=args.max_model_len, bytes_per_token=args.bytes_per_token,
                          api_key=args.api_key, faults=faults, seed=seed, root=args.root,
                          kv_events=publisher, engine=engine, time_scale=args.time_scale,
-                         store_responses=args.store_responses, transfer=transfer)
+                         store_responses=args.store_responses, transfer=transfer,
+                         scheduling_policy=args.scheduling_policy)
 
 
 if __name__ == "__main__":
