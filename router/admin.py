@@ -1,5 +1,6 @@
-"""The admin API: the replicas and how they are seen, registration and removal, drains, and why a request
-would go where it goes (``/admin/explain``). Loopback only unless ``auth.admin_key`` is set."""
+"""The admin API: the replicas and how they are seen, registration and removal, drains, the tenants and their
+limits, and why a request would go where it goes (``/admin/explain``). Loopback only unless
+``auth.admin_key`` is set."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from fastapi.responses import JSONResponse, Response
 from . import errors
 from .api import ProxyEndpoint, request_id_from
 from .bodies import read_body
+from .config import ConfigError
 from .errors import GatewayError
 from .gateway import Gateway
 from .replicas.membership import MembershipError
+from .tenants import StoreUnavailable
 
 _ADMIN_BODY_BYTES = 64 * 1024
 
@@ -80,15 +83,47 @@ def add_admin_routes(app: FastAPI, gw: Gateway, endpoints: dict[str, ProxyEndpoi
                              "weighed": "all" if route.candidates is None else len(route.candidates),
                              **gw.policy.explain(route, gw.admission.views(route.candidates))})
 
-    @app.post("/admin/replicas")
-    async def admin_register(request: Request) -> Response:
-        _admin(request)
+    async def _json_body(request: Request) -> Any:
         body = await read_body(request.receive, request.scope["headers"], _ADMIN_BODY_BYTES, config.client,
                                gw.metrics)
         try:
-            data = orjson.loads(body)
+            return orjson.loads(body)
         except ValueError as e:
             raise errors.bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+    @app.get("/admin/tenants")
+    async def admin_tenants(request: Request) -> Response:
+        _admin(request)
+        return JSONResponse({"header": config.tenancy.header, "tenants": gw.tenants.describe()})
+
+    @app.put("/admin/tenants/{name}")
+    async def admin_set_tenant(name: str, request: Request) -> Response:
+        """Define or replace a tenant (the fields of tenants[]; its keys are kept as digests only)."""
+        _admin(request)
+        data = await _json_body(request)
+        try:
+            cfg = await gw.tenants.put(data, name)
+        except ConfigError as e:
+            raise errors.bad_request(str(e), code="invalid_tenant") from None
+        except StoreUnavailable as e:
+            raise GatewayError(503, str(e), "service_unavailable_error", "store_unavailable") from None
+        return JSONResponse(cfg.shown())
+
+    @app.delete("/admin/tenants/{name}")
+    async def admin_remove_tenant(name: str, request: Request) -> Response:
+        _admin(request)
+        try:
+            removed = await gw.tenants.remove(name)
+        except StoreUnavailable as e:
+            raise GatewayError(503, str(e), "service_unavailable_error", "store_unavailable") from None
+        if not removed:
+            raise errors.not_found(f"no tenant named {errors.shown(name, 64)!r}")
+        return JSONResponse({"name": name, "removed": True})
+
+    @app.post("/admin/replicas")
+    async def admin_register(request: Request) -> Response:
+        _admin(request)
+        data = await _json_body(request)
         url = data.get("url") if isinstance(data, dict) else None
         if isinstance(url, str) and await gw.pool.control.reaches_this_router(url):
             raise errors.bad_request("replica.url reaches this router itself: a replica must be a vLLM server", "url",

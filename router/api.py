@@ -77,8 +77,10 @@ class ProxyEndpoint:
         headers = scope["headers"]
         request_id = request_id_from(headers)
         try:
-            via = self.gw.admit(headers)
+            via, tenant = self.gw.admit(headers)
             body, payload, route = await self.read(headers, receive, request_id)
+            route.output_tokens = _output_tokens(payload, self.gw.config.tenancy.output_tokens)
+            taken = await self.gw.tenants.enter(tenant, route, lambda: self._prompt_tokens(route))
         except GatewayError as e:
             await self.gw.reject(send, e, self.path, request_id)
             return
@@ -89,7 +91,17 @@ class ProxyEndpoint:
             request_id=request_id, headers=client_headers(headers) + via, started=started, route=route,
             resume=transcript_for(self.path, payload) if stream and self.failover else None,
         )
-        await self.gw.forwarder(call, receive, send)
+        try:
+            await self.gw.forwarder(call, receive, send)
+        finally:
+            self.gw.tenants.leave(tenant, taken, route.prompt_tokens or len(body) // 4, call.used_completion_tokens())
+
+    async def _prompt_tokens(self, route: RouteRequest) -> int:
+        """The request's prompt tokens, for its tenant's token bucket: as the router keys it (prepared once, for
+        its decision too), else about a quarter of its body's bytes."""
+        if self.gw.decider.keys is not None:
+            await self.gw.decider.prepare(route)
+        return route.prompt_tokens or route.body_size // 4
 
     async def read(self, headers: list[tuple[bytes, bytes]], receive: Any,
                    request_id: str) -> tuple[bytes, dict[str, Any], RouteRequest]:
@@ -151,6 +163,15 @@ class ProxyEndpoint:
         return payload
 
 
+def _output_tokens(payload: dict[str, Any], default: int) -> int:
+    """The completion tokens a request may use, as it says (bounded), else ``default``."""
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        value = payload.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return min(value, 1_000_000)
+    return default
+
+
 def _streams(value: Any) -> bool:
     """``stream`` as vLLM reads it (pydantic's lax booleans: "true", "1", "on"... stream too)."""
     if isinstance(value, str):
@@ -169,7 +190,7 @@ class StoredResponseEndpoint:
         headers = scope["headers"]
         request_id = request_id_from(headers)
         try:
-            via = self.gw.admit(headers)
+            via, _ = self.gw.admit(headers)
             home = await self.gw.response_home(valid_id(response_id, "response_id"))
         except GatewayError as e:
             await self.gw.reject(send, e, scope["path"], request_id)

@@ -79,6 +79,7 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
         if gw.feed is not None:
             await gw.feed.start()
         await gw.membership.start()  # replicas registered before (Redis, replicas_file) join now
+        await gw.tenants.start_sync()  # and tenants set through the admin API
         # What exists now lives as long as the process: keep the collector from re-scanning it.
         gc.collect()
         gc.freeze()
@@ -86,6 +87,7 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
         try:
             yield
         finally:
+            await gw.tenants.close()
             await gw.membership.close()
             if gw.feed is not None:
                 await gw.feed.close()

@@ -6,11 +6,13 @@ import hashlib
 import hmac
 import ipaddress
 
+from typing import Callable
+
 from . import errors
 from .config import AuthConfig
 
 
-def _digest(key: str | bytes) -> bytes:
+def digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
 
 
@@ -27,7 +29,7 @@ def bearer(headers: list[tuple[bytes, bytes]]) -> bytes | None:
 def _matches(token: bytes | None, digests: list[bytes]) -> bool:
     if token is None:
         return False
-    presented = _digest(token)
+    presented = digest(token)
     found = False
     for d in digests:  # no early exit: the time does not tell which key matched
         found |= hmac.compare_digest(presented, d)
@@ -42,17 +44,22 @@ def _is_loopback(host: str | None) -> bool:
 
 
 class Auth:
-    def __init__(self, cfg: AuthConfig) -> None:
-        self._client = [_digest(k.get_secret_value()) for k in cfg.api_keys]
-        self._admin = [_digest(cfg.admin_key.get_secret_value())] if cfg.admin_key else []
+    def __init__(self, cfg: AuthConfig, tenant_key: Callable[[bytes], bool] | None = None) -> None:
+        self._client = [digest(k.get_secret_value()) for k in cfg.api_keys]
+        self._tenant_key = tenant_key  # the tenants' keys are client keys too (router.tenants)
+        self._admin = [digest(cfg.admin_key.get_secret_value())] if cfg.admin_key else []
 
     @property
     def clients_need_key(self) -> bool:
         return bool(self._client)
 
-    def check_client(self, headers: list[tuple[bytes, bytes]]) -> None:
-        if self._client and not _matches(bearer(headers), self._client):
-            raise errors.unauthorized()
+    def check_client(self, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        """Raises 401 unless the request's key is a client key (where keys are needed); returns the key."""
+        token = bearer(headers)
+        if self._client and not _matches(token, self._client):
+            if token is None or self._tenant_key is None or not self._tenant_key(token):
+                raise errors.unauthorized()
+        return token
 
     def check_admin(self, headers: list[tuple[bytes, bytes]], client_host: str | None) -> None:
         """Admin calls need the admin key; with none configured, only loopback clients may call."""

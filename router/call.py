@@ -23,6 +23,7 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te
                         b"proxy-authenticate", b"proxy-connection", b"date", b"server", b"x-request-id"})
 # usage.prompt_tokens in an answer (the whole body, or a stream's usage chunk): teaches byte mode
 PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,9})')
+COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})')
 
 
 @dataclass
@@ -57,6 +58,10 @@ class Call:
     # sent for its decode (the client's, with the prefill's transfer parameters); None: prefill (again) first
     prefill_replica: str | None = None
     decode_body: bytes | None = None
+    # what it used, for its tenant (router.tenants): usage.completion_tokens where the answer said, and the
+    # stream's data events (about one token each) where it did not
+    completion_tokens: int | None = None
+    events: int = 0
 
     def first_byte(self, ticket: Ticket, status: int) -> None:
         """The attempt's first byte came: routing hears it, and (for the answer's first) the time is taken."""
@@ -74,6 +79,20 @@ class Call:
             found = PROMPT_TOKENS.search(data)
             if found is not None:
                 self.prompt_tokens = int(found.group(1))
+
+
+    def learn_completion_tokens(self, data: bytes) -> None:
+        if self.completion_tokens is None and b'"completion_tokens"' in data:
+            found = COMPLETION_TOKENS.search(data)
+            if found is not None:
+                self.completion_tokens = int(found.group(1))
+
+    def used_completion_tokens(self) -> int:
+        """The completion tokens it used: as the replica's usage said, else about one per streamed event (the
+        chat stream's first, naming the role, and the last, with the finish reason, carry none)."""
+        if self.completion_tokens is not None:
+            return self.completion_tokens
+        return max(0, self.events - (2 if self.path.endswith("chat/completions") else 1))
 
 
 def client_headers(scope_headers: list[tuple[bytes, bytes]]) -> bytes:

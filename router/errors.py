@@ -73,6 +73,13 @@ def queue_full(retry_after: float, why: str) -> GatewayError:
                         "router_queue_" + why.replace(" ", "_"), headers={"retry-after": str(secs)})
 
 
+def over_limit(retry_after: float, limit: str, tenant: str) -> GatewayError:
+    """429 for a tenant over one of its limits (``limit`` names the setting)."""
+    secs = max(1, int(retry_after + 0.999))
+    return GatewayError(429, f"tenant {tenant} is over its {limit} limit; retry in {secs} s", "rate_limit_error",
+                        "tenant_" + limit, headers={"retry-after": str(secs)})
+
+
 def no_ready_replica(model: str | None) -> GatewayError:
     what = f" for model `{model}`" if model else ""
     return GatewayError(503, f"no ready replica{what}", "service_unavailable_error", "no_ready_replica",

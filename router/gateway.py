@@ -15,6 +15,7 @@ from typing import Any
 from . import hops
 from .admission import Admission
 from .auth import Auth
+from .budgets import Budgets
 from .candidates import Candidates
 from .config import RouterConfig
 from .conversations import Conversations
@@ -42,6 +43,7 @@ from .sessions import build_sessions
 from .shared_conversations import SharedConversations
 from .shared_load import SharedLoad, new_host_id
 from .store import Store
+from .tenants import Tenant, Tenants
 
 log = logging.getLogger("kvroute.api")
 
@@ -60,12 +62,15 @@ class Gateway:
         # with a Redis index, every piece of shared state lives in one store (router.store)
         self.store = Store(config.index.backend, config.index.namespace, config.index.background_timeout_s) \
             if config.index.backend != "memory" else None
+        # who each request is for, and its tenant's limits, shared by the routers on it (router.tenants)
+        self.tenants = Tenants(config.tenants, config.tenancy, self.metrics, self.store,
+                               config.membership.sync_interval_s, Budgets(self.store, config.index.timeout_s))
         # the routers on it share one load picture (router.shared_load)
         host_id = share.host_id if share is not None else new_host_id()
         self.shared_load: SharedLoad | None = None
         if self.store is not None and config.shared_load.enabled:
             self.shared_load = SharedLoad(self.store, self.load, config.shared_load, host_id, worker,
-                                          read_timeout_s=config.index.timeout_s)
+                                          read_timeout_s=config.index.timeout_s, tenants=self.tenants)
         self.instance = hops.instance_id()
         # ... and the health checks of the replicas (router.replicas.shared_health)
         self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.load, self.events,
@@ -87,7 +92,9 @@ class Gateway:
         conversations = Conversations(config.conversations.window_s, config.conversations.max_tracked,
                                       journal=self.shared_load is not None) if keys else None
         self.admission = Admission(self.policy, self.load, self.pool.views, self.pool.view_of, config.queue,
-                                   self.metrics, self.events)
+                                   self.metrics, self.events, share=self.tenants)
+        if self.shared_load is not None:
+            self.shared_load.on_freed(self.admission.slots_freed, lambda: self.admission.queue_length > 0)
         self.decider = Decider(self.pool, self.load, self.policy, self.admission,
                                build_sessions(config.index, config.sessions, self.metrics, share, self.load,
                                               self.store),
@@ -107,7 +114,7 @@ class Gateway:
         self.forwarder = Forwarder(self.decider, self.pool, config.proxy, self.metrics, config.client.send_timeout_s,
                                    Splitter(self.pool, config.disaggregation, self.events))
         self.membership = Membership(config, self.pool, self.store)
-        self.auth = Auth(config.auth)
+        self.auth = Auth(config.auth, self.tenants.knows_key)
         self.started = time.time()
         self.stopping = False  # SIGTERM came: /ready answers 503 while the listener is still open
         self._ready_polls: collections.deque[float] = collections.deque(maxlen=8)
@@ -126,11 +133,12 @@ class Gateway:
         gaps = sorted(b - a for a, b in zip(polls, polls[1:]))
         return min(30.0, 2 * gaps[len(gaps) // 2])
 
-    def admit(self, headers: list[tuple[bytes, bytes]]) -> bytes:
-        """A client request's checks before its body is read: its key, and that it has not been here before.
-        Returns the ``x-kvroute-via`` line to send on; raises :class:`GatewayError`."""
-        self.auth.check_client(headers)
-        return hops.via_line(headers, self.instance)
+    def admit(self, headers: list[tuple[bytes, bytes]]) -> tuple[bytes, Tenant]:
+        """A client request's checks before its body is read: its key, its tenant, and that it has not been here
+        before. Returns the ``x-kvroute-via`` line to send on and the tenant; raises :class:`GatewayError`."""
+        token = self.auth.check_client(headers)
+        tenant = self.tenants.identify(headers, token)
+        return hops.via_line(headers, self.instance), tenant
 
     async def reject(self, send: Any, e: GatewayError, path: str, request_id: str) -> None:
         """Answer a request refused before any replica saw it: counted, logged, and the error sent."""

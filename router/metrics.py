@@ -166,6 +166,21 @@ class Metrics:
             "kvroute_kv_event_lease", "1 while this router holds the replica's event lease (it consumes the events "
             "for every router on the shared index).", ["replica"], registry=r, multiprocess_mode="livemax")
 
+        # tenants (router.tenants): labels are tenant names from the configuration or the admin API (bounded)
+        self.tenant_requests = Counter(
+            "kvroute_tenant_requests", "Requests per tenant and class, by what became of them at admission: admitted, "
+            "requests_per_minute, tokens_per_minute, max_concurrent (refused by that limit), shed (a full queue made "
+            "room for a more urgent class), queue_full, queue_timeout.", ["tenant", "class", "outcome"], registry=r)
+        self.tenant_tokens = Counter(
+            "kvroute_tenant_tokens", "Tokens served per tenant: prompt (as the router counts it) and completion (as "
+            "the replica's usage says, else the stream's events).", ["tenant", "kind"], registry=r)
+        self.tenant_inflight = Gauge(
+            "kvroute_tenant_inflight", "Requests in flight per tenant on this router.", ["tenant"], registry=r,
+            multiprocess_mode="livesum")
+        self.class_queue_wait = Histogram(
+            "kvroute_class_queue_wait_seconds", "Time requests waited in the router queue, per priority class.",
+            ["class"], buckets=_QUEUE_BUCKETS, registry=r)
+
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, bound once: label lookups cost more than the increment.
 

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .bodies import with_last_field
 from .call import HOP_BY_HOP, Call, ClientStalled, WriteWatch, response_headers
 from .config import ProxyConfig
 from .disaggregation import LOCAL, SPLIT, Splitter, decode_body, prefill_body, request_object, transfer_params
@@ -42,6 +43,8 @@ from .upstream import ReadTimeout, UpstreamError, UpstreamResponse
 log = logging.getLogger("kvroute.proxy")
 
 _MAX_ERROR_BODY = 64 * 1024
+# where vLLM reads a request's `priority` (with --scheduling-policy priority: lower is scheduled first)
+_PRIORITIZED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 _BUFFERED = 1 << 20  # a JSON answer up to this size is read whole before the client gets any of it
 
 
@@ -64,6 +67,13 @@ class _Failure:
 def _request_headers(call: Call, replica: Replica) -> bytes:
     """The header lines a replica gets: the client's it may see, the request id, the replica's own."""
     return b"%sx-request-id: %s\r\n%s" % (call.headers, call.request_id.encode("latin-1"), replica.header_lines)
+
+
+def _prioritized(call: Call, replica: Replica, body: bytes) -> bytes:
+    """The body ``replica`` gets: with the request's class as vLLM's ``priority`` where it schedules by it."""
+    if replica.config.priority_scheduling and call.path in _PRIORITIZED and body:
+        return with_last_field(body, b"priority", b"%d" % call.route.rank)
+    return body
 
 
 class Forwarder:
@@ -227,7 +237,7 @@ class Forwarder:
         replica = ticket.replica
         assert replica.upstream is not None
         headers = _request_headers(call, replica)
-        body = call.continued or call.decode_body or call.body
+        body = _prioritized(call, replica, call.continued or call.decode_body or call.body)
         wait = self.cfg.stream_idle_timeout_s if call.stream else self.cfg.request_timeout_s
         # a stream's headers come as soon as vLLM accepts the request; a JSON answer's with the whole answer
         headers_wait = min(wait, self.cfg.stream_headers_timeout_s) if call.stream else wait
@@ -282,6 +292,7 @@ class Forwarder:
                 body = b"".join(held)
                 call.status = upstream.status
                 call.learn_prompt_tokens(ticket, body)
+                call.learn_completion_tokens(body)
                 # the length of what came, whatever the replica's header said (a 204 or 304 has none)
                 headers = [(k, v) for k, v in response_headers(call, ticket, upstream.headers)
                            if k != b"content-length"]
@@ -339,6 +350,8 @@ class Forwarder:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 call.tail = chunk[-2:]
                 call.learn_prompt_tokens(ticket, chunk)
+                call.events += chunk.count(b"data: {")
+                call.learn_completion_tokens(chunk)
         except (UpstreamError, SpliceError) as e:
             kind = self._broke(call, ticket, e)
             if resume is not None and resume.resumable():
@@ -426,6 +439,7 @@ class Forwarder:
         replica = ticket.replica
         assert replica.upstream is not None
         headers = _request_headers(call, replica)
+        body = _prioritized(call, replica, body)
         wait = self.cfg.request_timeout_s
         try:
             upstream = await replica.upstream.request(call.method, call.path, headers, body, wait)

@@ -29,6 +29,11 @@ class RouteRequest:
     payload: dict[str, Any] | None = None  # the parsed body, until the router has keyed it
     body_size: int = 0
     exclude: dict[str, int] = field(default_factory=dict)  # replica -> its restarts when it failed this request
+    # who it is for (router.tenants): its place in the router queue
+    tenant: str = "default"
+    rank: int = 1  # its class's place in router.config.tenants.CLASSES (0 the most urgent)
+    weight: float = 1.0  # its tenant's share against the others of its class
+    output_tokens: int = 256  # the completion tokens it is expected to use (its max_tokens, else tenancy.output_tokens)
     # filled by the router
     prepared: bool = False
     prepare_s: float = 0.0  # what preparing it took, until its decision counts it

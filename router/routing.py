@@ -185,7 +185,7 @@ class Decider:
             except Exception:  # the index is advice: a request never fails because of it
                 log.exception("prefix index record failed", extra={"request_id": req.request_id})
             except BaseException:  # cancelled (the client left) before a ticket owns the slot
-                self.admission.release(name)
+                self.admission.release(name, req.rank)
                 raise
             if pending:
                 self.load.add_pending(name, pending)
@@ -274,7 +274,7 @@ class Decider:
         if failure.health == "eject":
             self.pool.health.mark_failure(ticket.replica, f"{failure.message} (proxy)", immediate=True)
         self._judge(ticket, kind)
-        self.admission.release(ticket.name)
+        self.admission.release(ticket.name, ticket.req.rank)
 
     def _judge(self, ticket: Ticket, kind: str | None) -> None:
         """Passive outlier detection: what this attempt's end says of its replica (a failure kind, or None
@@ -293,7 +293,7 @@ class Decider:
 
     def _finished(self, ticket: Ticket, status: int, prompt_tokens: int | None) -> None:
         req = ticket.req
-        self.admission.release(ticket.name)
+        self.admission.release(ticket.name, req.rank)
         if ticket.prompt_ends and self.conversations is not None and 200 <= status < 300:
             self.conversations.answered(ticket.name, ticket.prompt_ends)
         if prompt_tokens and self.keys is not None and req.key is not None and req.model is not None:

@@ -11,7 +11,10 @@ placed or finished, at most every ``shared_load.min_interval_s``, 10 ms) and eve
 
 Keys (one hash tag, so one slot in Redis Cluster): ``NS:{NS:load}:routers``, a sorted set of router ids
 scored by the time (ms) their figures expire, and ``NS:{NS:load}:r:ID``, a hash of replica name ->
-``"INFLIGHT PENDING"`` holding only the replicas where that router has something, expiring with it. A
+``"INFLIGHT PENDING"`` holding only the replicas where that router has something, expiring with it. The same
+hash holds ``~TENANT`` -> ``"INFLIGHT USAGE WAITING"``: each tenant's requests in flight there, the tokens it
+was given slots for lately and its requests in that router's queue (:mod:`router.tenants`), which every router,
+this host's other workers included, adds up for the tenants' ``max_concurrent`` and fair share. A
 router that stops (killed, cut off from Redis) stops renewing: its figures leave every other router's
 picture within ``shared_load.ttl_s``, so nothing counts as phantom load for longer. Ids are
 ``HOST.WORKER``: the workers of one host share their load in memory already and skip each other's here.
@@ -26,12 +29,13 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .background import Background
 from .config import SharedLoadConfig
 from .store import LUA_HASH_CHANGES, LUA_PRESENT, Store
 from .load import LoadTable
+from .tenants import Tenants
 
 log = logging.getLogger("kvroute.shared_load")
 
@@ -47,9 +51,15 @@ redis.call('PEXPIRE', KEYS[2], ttl)
 present(KEYS[1], now, ttl, id)
 local out = {}
 for _, other in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-  if string.sub(other, 1, #host) ~= host then
+  if other ~= id then
     local flat = redis.call('HGETALL', prefix .. other)
-    for k = 1, #flat do out[#out + 1] = flat[k] end
+    if string.sub(other, 1, #host) ~= host then
+      for k = 1, #flat do out[#out + 1] = flat[k] end
+    else  -- this host's other workers: their replica figures are shared in memory, their tenants' are not
+      for k = 1, #flat - 1, 2 do
+        if string.sub(flat[k], 1, 1) == '~' then out[#out + 1] = flat[k]; out[#out + 1] = flat[k + 1] end
+      end
+    end
   end
 end
 return out
@@ -68,9 +78,10 @@ class SharedLoad:
     """This router's share of the load picture: it publishes its figures and holds the others' sums."""
 
     def __init__(self, store: Store, load: LoadTable, cfg: SharedLoadConfig, host_id: str, worker: int = 0,
-                 read_timeout_s: float = 0.05) -> None:
+                 read_timeout_s: float = 0.05, tenants: Tenants | None = None) -> None:
         self.redis = redis = store.client
         self.load = load
+        self.tenants = tenants
         self.cfg = cfg
         self.host = host_id + "."
         self.id = f"{host_id}.{worker}"
@@ -90,7 +101,15 @@ class SharedLoad:
         self._sent_at = 0.0  # monotonic time the round that read the current picture was sent
         self._read = asyncio.Event()  # set (and replaced) when a round has read a new picture
         self._peaks: dict[str, int] = {}  # replica -> most of the others' requests there since a scrape was sent
+        self._freed: list[Callable[[list[str]], None]] = []
+        self._eager: Callable[[], bool] = lambda: False  # while true, a round every min_interval_s
         load.on_change(self._changed.set)
+
+    def on_freed(self, callback: Callable[[list[str]], None], waiting: Callable[[], bool]) -> None:
+        """Call ``callback`` with the replicas where the other routers hold fewer requests than last read (slots
+        they freed: a request waiting here may take them); while ``waiting()``, read every ``min_interval_s``."""
+        self._freed.append(callback)
+        self._eager = waiting
 
     def others(self, replica: str) -> Figures:
         """The other routers' requests in flight and pending prefill tokens on ``replica``."""
@@ -174,8 +193,10 @@ class SharedLoad:
                     self._down = True
                     log.warning("shared load: Redis did not answer (%s); routing on the other routers' load as "
                                 "last read, for at most %g s", e.__class__.__name__, self.cfg.ttl_s)
-                if self._others and time.monotonic() - self._others_at > self.cfg.ttl_s:
+                if self._others_at and time.monotonic() - self._others_at > self.cfg.ttl_s:
                     self._others = {}
+                    if self.tenants is not None:
+                        self.tenants.set_others({})
             await self._pause()
 
     async def _pause(self) -> None:
@@ -183,7 +204,7 @@ class SharedLoad:
         request placed or finished is published at once, so the others do not place onto it unawares)."""
         cfg = self.cfg
         await asyncio.sleep(cfg.min_interval_s)
-        if not self._changed.is_set():
+        if not self._changed.is_set() and not self._eager():
             try:
                 async with asyncio.timeout(max(0.0, cfg.interval_s - cfg.min_interval_s)):
                     await self._changed.wait()
@@ -196,7 +217,7 @@ class SharedLoad:
         sent_at = time.monotonic()
         load = self.load
         if self._resend:
-            names = set(load.names) | set(self._published) | load.take_touched()
+            names = set(load.names) | {n for n in self._published if not n.startswith("~")} | load.take_touched()
         else:
             names = load.take_touched()
         sets: list[Any] = []
@@ -210,20 +231,38 @@ class SharedLoad:
                 gone.append(name)
             else:
                 sets += [name, f"{now[0]} {now[1]}"]
+        tenants = self.tenants
+        if tenants is not None:
+            # every round: a tenant's usage decays as time passes, without a request to say so
+            touched = tenants.take_touched() | set(tenants.names) | {n[1:] for n in published if n.startswith("~")}
+            for tenant in touched:
+                field, figures = "~" + tenant, tenants.own(tenant)
+                if figures == published.get(field) and not self._resend:
+                    continue
+                if not any(figures):
+                    gone.append(field)
+                else:
+                    sets += [field, " ".join(map(str, figures))]
         ttl_ms = int(self.cfg.ttl_s * 1000)
         flat = await self.redis.evalsha(self._script, [self._routers, self._mine],
                                         [int(time.time() * 1000), ttl_ms, self.id, self.host, self._prefix,
                                          len(sets) // 2, *sets, *gone])
         for i in range(0, len(sets), 2):
-            inflight, pending = sets[i + 1].split()
-            published[sets[i]] = (int(inflight), int(pending))
+            published[sets[i]] = tuple(int(x) for x in sets[i + 1].split())
         for name in gone:
             published.pop(name, None)
         self._resend = False
         others: dict[str, Figures] = {}
+        tenant_others: dict[str, tuple[int, int, int]] = {}
         for i in range(0, len(flat) - 1, 2):
             try:
                 name = flat[i].decode()
+                if name.startswith("~"):  # a tenant's requests in flight, usage and requests waiting there
+                    t = tuple(max(0, int(x)) for x in flat[i + 1].split()[:3])
+                    if len(t) == 3:
+                        a, b, c = tenant_others.get(name[1:], (0, 0, 0))
+                        tenant_others[name[1:]] = (a + t[0], b + t[1], c + t[2])
+                    continue
                 inflight, pending = (int(x) for x in flat[i + 1].split())
             except (ValueError, UnicodeDecodeError):
                 continue  # not a router's entry: ignored
@@ -231,7 +270,13 @@ class SharedLoad:
                 continue  # a replica this router does not know: nothing to weigh it with
             a, b = others.get(name, _NONE)
             others[name] = (a + max(0, inflight), b + max(0, pending))
+        freed = [name for name, (n, _) in self._others.items() if others.get(name, _NONE)[0] < n]
         self._others = others
+        if freed:
+            for callback in self._freed:
+                callback(freed)
+        if tenants is not None:
+            tenants.set_others(tenant_others)
         self._others_at = time.monotonic()
         self._sent_at = sent_at
         peaks = self._peaks

@@ -27,10 +27,16 @@ class ReplicaView(NamedTuple):
     restarts: int = 0  # restarts the router saw (a new process: one that failed a request may be tried again)
     role: str = "both"  # both, prefill or decode (disaggregated prefill and decode)
     platform: str = "cuda"  # what it runs on (router/platforms.py): which replicas it can move KV to and from
+    routers_inflight: int = 0  # the other routers' requests in flight there (router.shared_load): its slots too
     # from the load table, at the decision (these three stay last: see with_load)
     drained: bool = False  # an operator stopped new requests to it
     inflight: int = 0
     pending_prefill: int = 0
+
+    @property
+    def free_slots(self) -> int:
+        """Slots of its ``max_num_seqs`` that no router's request holds (this host's, and the others' as last read)."""
+        return self.max_num_seqs - self.inflight - self.routers_inflight
 
     @property
     def load(self) -> float:
@@ -45,5 +51,5 @@ def with_load(base: ReplicaView, drained: bool, inflight: int, pending_prefill: 
 
 def with_others(view: ReplicaView, inflight: int, pending_prefill: int) -> ReplicaView:
     """``view`` with the other routers' requests in flight (as load from other clients) and pending prefill."""
-    return view._replace(external_load=view.external_load + inflight,
+    return view._replace(external_load=view.external_load + inflight, routers_inflight=inflight,
                          pending_prefill=view.pending_prefill + pending_prefill)

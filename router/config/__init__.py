@@ -16,9 +16,10 @@ from .sections import (POLICIES, PRESETS, AuthConfig, CacheAwareConfig, Candidat
                        ConversationsConfig, DisaggregationConfig, HealthConfig, IndexConfig, KvEventsConfig, LogConfig, MembershipConfig,
                        PolicyConfig, PrefixConfig, ProxyConfig, QueueConfig, RouterConfig, SessionConfig,
                        SharedLoadConfig, StageConfig)
+from .tenants import TenancyConfig, TenantConfig
 
 __all__ = ["POLICIES", "PRESETS", "AuthConfig", "CacheAwareConfig", "CandidatesConfig", "ClientConfig", "ConfigError",
            "ConversationsConfig", "DisaggregationConfig", "HealthConfig", "IndexConfig", "KvEventsConfig", "LogConfig", "MembershipConfig",
            "PolicyConfig", "PrefixConfig", "ProxyConfig", "QueueConfig", "ReplicaConfig", "RouterConfig",
-           "SessionConfig", "SharedLoadConfig", "StageConfig", "env_overrides", "load_config", "mask_url",
+           "SessionConfig", "SharedLoadConfig", "StageConfig", "TenancyConfig", "TenantConfig", "env_overrides", "load_config", "mask_url",
            "parse_replica_spec", "reference", "replica_from", "set_path"]

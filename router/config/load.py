@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from .fields import ConfigError, format_validation_error
 from .replica import ReplicaConfig, parse_replica_spec
+from .tenants import TenantConfig
 from .sections import RouterConfig
 
 
@@ -102,6 +103,9 @@ def reference() -> str:
                 continue
             if name == "replicas":
                 walk(ReplicaConfig, f"{prefix}replicas[].")
+                continue
+            if name == "tenants":
+                walk(TenantConfig, f"{prefix}tenants[].")
                 continue
             default = field.get_default(call_default_factory=True)
             shown = "required" if field.is_required() else f"`{json.dumps(default)}`"

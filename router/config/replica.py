@@ -47,6 +47,9 @@ class ReplicaConfig(_Model):
                                                        "both (whole requests, and either phase of a split one), prefill "
                                                        "or decode only (started with a KV connector, e.g. vLLM's "
                                                        "NixlConnector; see Disaggregated prefill and decode)")
+    priority_scheduling: bool = Field(False, description="it runs vLLM's --scheduling-policy priority: each request "
+                                      "it gets carries its tenant's class as vLLM's priority (interactive 0, standard "
+                                      "1, batch 2; a client's own is replaced)")
 
     @field_validator("kv_events", "kv_events_replay")
     @classmethod

@@ -11,6 +11,7 @@ from .. import platforms
 from ..store.client import parse_url
 from .fields import _Model
 from .replica import ReplicaConfig
+from .tenants import TenancyConfig, TenantConfig, check_tenants
 
 
 class HealthConfig(_Model):
@@ -269,6 +270,13 @@ class PolicyConfig(_Model):
 class QueueConfig(_Model):
     max_size: int = Field(1024, ge=0, description="requests that may wait when every replica is at capacity")
     timeout_s: float = Field(30.0, ge=0, description="longest wait in the queue before 429")
+    reserve_window_s: float = Field(30.0, gt=0, description="a class that had requests in flight in this many "
+                                    "seconds gets free slots kept for it: less urgent classes leave free what it "
+                                    "may still need (its most in flight in that time, less what it has now)")
+    reserve_margin: float = Field(0.5, ge=0, le=10, description="and this share of that most, more (for arrivals "
+                                  "beyond it); 0 keeps only the difference")
+    reserve_max_share: float = Field(0.25, ge=0, le=1, description="at most this share of the slots is ever kept "
+                                     "for more urgent classes; 0 keeps none")
 
 
 class AuthConfig(_Model):
@@ -347,6 +355,9 @@ class RouterConfig(_Model):
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    tenants: list[TenantConfig] = Field(default_factory=list, description="the clients sharing the fleet, each with "
+                                        "its keys, class, weight and limits (also set at run time: /admin/tenants)")
+    tenancy: TenancyConfig = Field(default_factory=TenancyConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight streams may finish")
     shutdown_unready_s: float | None = Field(None, ge=0, description="on SIGTERM, how long /ready answers 503 while "
@@ -375,4 +386,5 @@ class RouterConfig(_Model):
         if len(self.replicas) > self.membership.max_replicas:
             raise ValueError(f"{len(self.replicas)} replicas configured, membership.max_replicas is "
                              f"{self.membership.max_replicas}")
+        check_tenants(self.tenants)
         return self

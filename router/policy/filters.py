@@ -45,12 +45,13 @@ class NotTried(Filter):
 
 @register_filter("below-capacity")
 class BelowCapacity(Filter):
-    """Fewer of this host's requests in flight than ``max_num_seqs``."""
+    """Fewer requests in flight than ``max_num_seqs``: this host's, and the other routers' on the shared load
+    picture (each router holding up to the replica's limit would send it several times its slots)."""
 
     when_empty = "at_capacity"
 
     def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
-        return view.inflight < view.max_num_seqs
+        return view.free_slots > 0
 
 
 @register_filter("role")

@@ -80,6 +80,15 @@ class Layout:
         """A stream of what the routers answered and continued (router.shared_conversations)."""
         return self._load + "conversations"
 
+    # tenants (router.tenants, router.budgets): the admin API's changes, and one bucket slot per tenant
+    def tenants(self) -> str:
+        """Tenant name -> its settings as the admin API last set them (keys as digests), or a tombstone."""
+        return f"{self.ns}:tenants"
+
+    def tenant_bucket(self, tenant: str) -> str:
+        """A tenant's request and token buckets, shared by every router."""
+        return f"{self.ns}:{{{_tag(self.ns)}:tenant:{_tag(tenant)}}}:bucket"
+
     def load_prefix(self) -> str:
         """Followed by a router's id: its figures per replica."""
         return self._load + "r:"
