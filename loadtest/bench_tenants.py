@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 import yaml
 
+from .cluster_bench import update_readme
 from .cluster import Proc, free_ports, redis_server, router, simulator, wait_redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -328,22 +329,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     else "")
     (args.out / "results.md").write_text(markdown(results, command) + "\n")
     if args.out == p.get_default("out") and args.only == p.get_default("only"):
-        _update_docs(markdown(results, command))
+        update_readme(ROOT / "docs" / "benchmarks.md", "tenants", markdown(results, command), bench="bench")
     print(markdown(results, command))
     return 0
-
-
-def _update_docs(section: str) -> None:
-    """Put ``section`` between the tenants markers of docs/benchmarks.md (at its end the first time)."""
-    path = ROOT / "docs" / "benchmarks.md"
-    start, end = "<!-- bench-tenants -->", "<!-- /bench-tenants -->"
-    text = path.read_text()
-    block = f"{start}\n{section.strip()}\n{end}"
-    if start in text and end in text:
-        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 if __name__ == "__main__":

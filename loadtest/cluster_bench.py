@@ -391,10 +391,10 @@ def plots(results: list[dict[str, Any]], out: Path) -> list[str]:
     return made
 
 
-def update_readme(readme: Path, name: str, text: str) -> None:
-    """Replace the text between ``<!-- cluster-bench:NAME -->`` and ``<!-- /cluster-bench:NAME -->`` (appended to
-    the file, markers and all, the first time)."""
-    begin, end = f"<!-- cluster-bench:{name} -->", f"<!-- /cluster-bench:{name} -->"
+def update_readme(readme: Path, name: str, text: str, bench: str = "cluster-bench") -> None:
+    """Replace the text between ``<!-- BENCH:NAME -->`` and ``<!-- /BENCH:NAME -->`` (appended to the file, markers
+    and all, the first time)."""
+    begin, end = f"<!-- {bench}:{name} -->", f"<!-- /{bench}:{name} -->"
     body = readme.read_text()
     block = f"{begin}\n{text.rstrip()}\n{end}"
     if begin in body and end in body:

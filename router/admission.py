@@ -79,7 +79,7 @@ class _Waiter:
 
 def _cost(req: RouteRequest) -> int:
     """What a request costs in its tenant's share: its prompt and the completion tokens it may use."""
-    return (req.prompt_tokens or req.body_size // 4) + req.output_tokens
+    return req.prompt_estimate() + req.output_tokens
 
 
 class Admission:

@@ -94,14 +94,14 @@ class ProxyEndpoint:
         try:
             await self.gw.forwarder(call, receive, send)
         finally:
-            self.gw.tenants.leave(tenant, taken, route.prompt_tokens or len(body) // 4, call.used_completion_tokens())
+            self.gw.tenants.leave(tenant, taken, route.prompt_estimate(), call.used_completion_tokens())
 
     async def _prompt_tokens(self, route: RouteRequest) -> int:
         """The request's prompt tokens, for its tenant's token bucket: as the router keys it (prepared once, for
         its decision too), else about a quarter of its body's bytes."""
         if self.gw.decider.keys is not None:
             await self.gw.decider.prepare(route)
-        return route.prompt_tokens or route.body_size // 4
+        return route.prompt_estimate()
 
     async def read(self, headers: list[tuple[bytes, bytes]], receive: Any,
                    request_id: str) -> tuple[bytes, dict[str, Any], RouteRequest]:

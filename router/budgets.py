@@ -130,21 +130,21 @@ class Budgets:
             return
         if self.redis is not None and not self._down:
             self._background.spawn(self._spend_shared(tenant, tokens))
-            return
-        for limit, bucket in self._buckets(tenant):
-            if limit == "tokens_per_minute":
-                bucket.refill(time.monotonic())
-                bucket.level -= tokens
+        else:
+            self._spend_here(tenant, tokens)
 
     async def close(self) -> None:
         await self._background.close()
 
     async def _spend_shared(self, tenant: TenantConfig, tokens: int) -> None:
         if await self._shared(tenant, False, 0, tokens) is None:  # not counted in Redis: counted here
-            for limit, bucket in self._buckets(tenant):
-                if limit == "tokens_per_minute":
-                    bucket.refill(time.monotonic())
-                    bucket.level -= tokens
+            self._spend_here(tenant, tokens)
+
+    def _spend_here(self, tenant: TenantConfig, tokens: int) -> None:
+        for limit, bucket in self._buckets(tenant):
+            if limit == "tokens_per_minute":
+                bucket.refill(time.monotonic())
+                bucket.level -= tokens
 
     async def _shared(self, tenant: TenantConfig, check: bool, requests: int, tokens: int) -> Refused | None:
         """The shared buckets' answer (a Refused with retry_after 0 when taken), or None without Redis."""

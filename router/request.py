@@ -53,6 +53,10 @@ class RouteRequest:
     # transfer: router.disaggregation); None: any
     platforms: frozenset[str] | None = None
 
+    def prompt_estimate(self) -> int:
+        """Its prompt tokens as the router counted them, else about a quarter of its body's bytes (not keyed)."""
+        return self.prompt_tokens or self.body_size // 4
+
     def missing(self, replica: str) -> int:
         """Prompt tokens ``replica``'s cache lacks (as the prefix index predicts): computed there, or read from
         the replica that prefilled them."""

@@ -97,7 +97,7 @@ class Tenants:
                 if k == self.header:
                     named = v
                     break
-        mine = self._by_key.get(digest(token), ()) if token else ()
+        mine = self._by_key.get(digest(token), ()) if token and self._by_key else ()  # no hash where no keys
         if named is None or not named:
             return mine[0] if mine else self.default
         tenant = self._by_name.get(named.decode("latin-1")) if len(named) <= _MAX_NAME_BYTES else None
@@ -108,7 +108,7 @@ class Tenants:
 
     def knows_key(self, token: bytes) -> bool:
         """Whether ``token`` is one of the tenants' keys (a client key, beside auth.api_keys)."""
-        return digest(token) in self._by_key
+        return bool(self._by_key) and digest(token) in self._by_key
 
     @property
     def has_keys(self) -> bool:
