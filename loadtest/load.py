@@ -125,6 +125,7 @@ class Result:
     status: int = 0
     error: str | None = None
     replica: str = ""
+    predicted_ttft_s: float | None = None  # kvroute's prediction for it (x-kvroute-predicted-ttft-ms)
 
 
 async def send(client: httpx.AsyncClient, target: str, model: str, turn: Turn, started: float) -> Result:
@@ -137,6 +138,9 @@ async def send(client: httpx.AsyncClient, target: str, model: str, turn: Turn, s
         async with client.stream("POST", target + "/v1/chat/completions", json=body) as r:
             res.status = r.status_code
             res.replica = r.headers.get("x-kvroute-replica", "")
+            predicted = r.headers.get("x-kvroute-predicted-ttft-ms")
+            if predicted is not None:
+                res.predicted_ttft_s = float(predicted) / 1e3
             if r.status_code != 200:
                 res.error = (await r.aread()).decode(errors="replace")[:200]
                 return res
@@ -294,6 +298,9 @@ class Summary:
     hit_rate: float | None
     share: dict[str, int]
     max_mean_share: float | None
+    # the median of |predicted - measured| / measured time to first token, over the answers kvroute predicted
+    ttft_prediction_error: float | None = None
+    ttft_prediction_ratio: float | None = None  # and the median of measured / predicted (above 1: predicted too soon)
 
 
 def summarize(results: list[Result], wall: float, rate: float | None, concurrency: int | None,
@@ -307,6 +314,8 @@ def summarize(results: list[Result], wall: float, rate: float | None, concurrenc
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     itl = [x for r in ok for x in r.itl_s]
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+    errs = [abs(r.predicted_ttft_s - r.ttft_s) / r.ttft_s for r in ok
+            if r.predicted_ttft_s is not None and r.ttft_s]
     share: dict[str, int] = dict(served or {})
     if not share:
         for r in results:
@@ -317,7 +326,10 @@ def summarize(results: list[Result], wall: float, rate: float | None, concurrenc
                    ms(pct(ttft, 99)), ms(pct(itl, 50)), ms(pct(itl, 90)), ms(pct(itl, 99)), ms(pct(e2e, 50)),
                    ms(pct(e2e, 90)),
                    None if hit_rate is None else round(hit_rate, 4), dict(sorted(share.items())),
-                   round(max(share.values()) / statistics.mean(share.values()), 3) if share else None)
+                   round(max(share.values()) / statistics.mean(share.values()), 3) if share else None,
+                   round(statistics.median(errs), 4) if errs else None,
+                   round(statistics.median(r.ttft_s / r.predicted_ttft_s for r in ok
+                                           if r.predicted_ttft_s and r.ttft_s), 4) if errs else None)
 
 
 def markdown(title: str, rows: list[Summary]) -> str:

@@ -40,7 +40,7 @@ from .config.tenants import CLASSES
 from .replica_events import Event, EventBus, ReplicaReady
 from .load import LoadTable
 from .metrics import Metrics
-from .policy import NoCandidate, Policy, Scored
+from .policy import NoCandidate, Policy, Scored, predict
 from .request import RouteRequest
 from .view import ReplicaView
 
@@ -350,9 +350,13 @@ class Admission:
         if self.load.workers > 1 and self._poller is None:
             self._poller = loop.create_task(self._poll())
         started = time.monotonic()
+        limit = self.cfg.timeout_s
+        target_left = self._target_left(req)
         try:
-            return await asyncio.wait_for(waiter.future, self.cfg.timeout_s)
+            return await asyncio.wait_for(waiter.future, limit if target_left is None else min(limit, target_left))
         except asyncio.TimeoutError:
+            if target_left is not None and target_left < limit:  # it could no longer meet its latency target
+                raise NoCandidate("slo_unmet") from None
             self.metrics.queue_rejected.labels("timeout").inc()
             self._count(req, "queue_timeout")
             raise errors.queue_full(self._retry_after(), "timeout") from None
@@ -367,6 +371,15 @@ class Admission:
             self.metrics.child(self.metrics.class_queue_wait, CLASSES[req.rank]).observe(waited)
             self._remove(waiter)
             self.metrics.queue_length.set(self._size)
+
+    def _target_left(self, req: RouteRequest) -> float | None:
+        """Seconds ``req`` may wait and still meet its time-to-first-token target on the replica predicted to give
+        it soonest (where it has one): past that, waiting is in vain."""
+        if req.slo_ttft_s is None or req.phase == "decode":
+            return None
+        best = min((predict.ttft(req, v) for v in self.views(req.candidates)
+                    if v.ready and (req.model is None or req.model in v.models)), default=0.0)
+        return max(0.0, req.arrived + req.slo_ttft_s - time.perf_counter() - best)
 
     def _on_event(self, event: Event) -> None:
         # a replica that became ready or was undrained may take queued requests at once

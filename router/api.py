@@ -46,6 +46,7 @@ PROXIED: dict[str, tuple[str, ...]] = {
 }
 _RESPONSES = "/v1/responses"
 MAX_MODEL_CHARS = 1024
+MAX_TARGET_MS = 86_400_000  # a latency target of more than a day is a mistake, not a target
 
 
 # New request ids: a random prefix per process and a counter (unique like uuid4, without a syscall each)
@@ -62,6 +63,18 @@ def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
     return f"{_ID_PREFIX}{next(_ids):016x}"
 
 
+def _target_s(value: bytes, header: str) -> float:
+    """A latency target header's milliseconds, in seconds; 400 naming the header unless a number in (0, 1 day]."""
+    try:
+        ms = float(value[:32])
+    except ValueError:
+        ms = float("nan")
+    if not 0 < ms <= MAX_TARGET_MS:  # nan fails too
+        raise errors.bad_request(f"{header} must be milliseconds, a number above 0 and at most {MAX_TARGET_MS}",
+                                 header, "invalid_latency_target")
+    return ms / 1000.0
+
+
 class ProxyEndpoint:
     """ASGI app for one proxied endpoint."""
 
@@ -76,19 +89,24 @@ class ProxyEndpoint:
         started = time.perf_counter()
         headers = scope["headers"]
         request_id = request_id_from(headers)
+        trace = None
         try:
             via, tenant = self.gw.admit(headers)
+            trace = self.gw.tracer.start(headers)  # None unless traced: after the key, so strangers cost no span
             body, payload, route = await self.read(headers, receive, request_id)
+            route.arrived = started
+            route.trace = trace
             route.output_tokens = _output_tokens(payload, self.gw.config.tenancy.output_tokens)
             taken = await self.gw.tenants.enter(tenant, route, lambda: self._prompt_tokens(route))
         except GatewayError as e:
-            await self.gw.reject(send, e, self.path, request_id)
+            await self.gw.reject(send, e, self.path, request_id, trace, started)
             return
         stream = _streams(payload.get("stream"))
         model = route.model
         call = Call(
             path=self.path, body=body, model=model, stream=stream,
-            request_id=request_id, headers=client_headers(headers) + via, started=started, route=route,
+            request_id=request_id, headers=client_headers(headers, trace is not None) + via, started=started,
+            route=route,
             resume=transcript_for(self.path, payload) if stream and self.failover else None,
         )
         try:
@@ -119,11 +137,16 @@ class ProxyEndpoint:
         elif len(model) > MAX_MODEL_CHARS:  # never echoed, logged or kept: a client's name costs what this does
             raise errors.bad_request(f"model must be at most {MAX_MODEL_CHARS} characters", "model", "model_too_long")
         session = None
+        slo_ttft = slo_tpot = None
         for k, v in headers:
             if k == b"x-session-id" and v:
                 session = session_digest(v)
+            elif k == b"x-slo-ttft-ms":
+                slo_ttft = _target_s(v, "x-slo-ttft-ms")
+            elif k == b"x-slo-tpot-ms":
+                slo_tpot = _target_s(v, "x-slo-tpot-ms")
         route = RouteRequest(model=model, request_id=request_id, endpoint=self.path, session_id=session,
-                             payload=payload, body_size=len(body))
+                             payload=payload, body_size=len(body), slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot)
         if self.path == _RESPONSES:
             body = await self._response_home(body, payload, route)
         return body, payload, route

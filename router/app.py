@@ -4,6 +4,8 @@ stop (the lifespan)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import gc
 import logging
 import re
@@ -97,6 +99,7 @@ def build_app(config: RouterConfig, share: HostShare | None = None, worker: int 
             if gw.shared_conversations is not None:
                 await gw.shared_conversations.close()
             await gw.pool.stop()
+            await asyncio.to_thread(gw.tracer.close)  # sends the spans still queued
             if gw.store is not None:
                 await gw.store.close()
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 # Request headers a client may pass on to a replica (credentials never: they come from config).
 FORWARD_REQUEST_HEADERS = frozenset({b"content-type", b"accept", b"accept-encoding", b"traceparent", b"tracestate",
                                      b"x-session-id", b"openai-organization", b"openai-project"})
+TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
 # Response headers that describe one hop only (the upstream parser gives names in lower case).
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
                         b"proxy-authenticate", b"proxy-connection", b"date", b"server", b"x-request-id"})
@@ -54,6 +55,7 @@ class Call:
     splice: Splice | None = None  # set while another replica continues the stream
     continued: bytes | None = None  # the request body that asks for the continuation
     method: bytes = b"POST"
+    attempt_span: int = 0  # the span id of the attempt going out, when traced (its traceparent)
     # split into a prefill and a decode (router.disaggregation): the replica that prefilled it, and the body
     # sent for its decode (the client's, with the prefill's transfer parameters); None: prefill (again) first
     prefill_replica: str | None = None
@@ -64,14 +66,26 @@ class Call:
     events: int = 0
 
     def first_byte(self, ticket: Ticket, status: int) -> None:
-        """The attempt's first byte came: routing hears it, and (for the answer's first) the time is taken."""
-        ticket.first_byte(status)
+        """The attempt's first byte came: routing hears it (with the time to it, where a stream's first event
+        carries the first token), and (for the answer's first) the time is taken."""
         if self.ttfb is not None:  # a continuation: the client had its first byte long ago
+            ticket.first_byte(status)
             return
         now = time.perf_counter()
         self.upstream_ttfb = now - self.sent_at
         self.ttfb = now - self.started
         ticket.replica.m_ttfb.observe(self.ttfb)
+        ticket.first_byte(status, self.stream)
+
+    def per_token_s(self) -> float | None:
+        """A whole stream's seconds per output token after its first (as of now: call it at its end); None for
+        an answer not streamed, continued on another replica, or of fewer than 2 tokens."""
+        if not self.stream or self.ttfb is None or self.splice is not None or self.broken is not None:
+            return None
+        tokens = self.used_completion_tokens()
+        if tokens < 2:
+            return None
+        return (time.perf_counter() - self.started - self.ttfb) / (tokens - 1)
 
     def learn_prompt_tokens(self, ticket: Ticket, data: bytes) -> None:
         """The replica's usage.prompt_tokens, which teaches byte mode its bytes per token."""
@@ -95,12 +109,13 @@ class Call:
         return max(0, self.events - (2 if self.path.endswith("chat/completions") else 1))
 
 
-def client_headers(scope_headers: list[tuple[bytes, bytes]]) -> bytes:
-    """The client's headers a replica may see (never its credentials), as header lines."""
+def client_headers(scope_headers: list[tuple[bytes, bytes]], traced: bool = False) -> bytes:
+    """The client's headers a replica may see (never its credentials), as header lines; a traced request's
+    trace context is the router's to send (each attempt's span as the parent)."""
     out = b""
     has_encoding = False
     for k, v in scope_headers:
-        if k in FORWARD_REQUEST_HEADERS:
+        if k in FORWARD_REQUEST_HEADERS and not (traced and k in TRACE_CONTEXT):
             out += b"%s: %s\r\n" % (k, v)
             has_encoding = has_encoding or k == b"accept-encoding"
     if not has_encoding:
@@ -109,8 +124,8 @@ def client_headers(scope_headers: list[tuple[bytes, bytes]]) -> bytes:
 
 
 def response_headers(call: Call, ticket: Ticket, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The replica's answer headers the client gets: hop-by-hop ones dropped, the request id, the replica and
-    the predicted cached tokens added."""
+    """The replica's answer headers the client gets: hop-by-hop ones dropped, the request id, the replica,
+    the predicted cached tokens and the predicted time to first token added."""
     out = [(k, v) for k, v in raw if k not in HOP_BY_HOP]
     out.append((b"x-request-id", call.request_id.encode("latin-1")))
     out.append((b"x-kvroute-replica", ticket.name.encode("latin-1")))
@@ -118,6 +133,8 @@ def response_headers(call: Call, ticket: Ticket, raw: list[tuple[bytes, bytes]])
         out.append((b"x-kvroute-prefill-replica", call.prefill_replica.encode("latin-1")))
     if ticket.reason is not None:
         out.append((b"x-kvroute-cached-tokens", b"%d" % ticket.cached_tokens))
+    if ticket.predicted_s is not None:
+        out.append((b"x-kvroute-predicted-ttft-ms", b"%.1f" % (ticket.predicted_s * 1e3)))
     return out
 
 

@@ -86,6 +86,14 @@ def no_ready_replica(model: str | None) -> GatewayError:
                         headers={"retry-after": "1"})
 
 
+def slo_unattainable(target: str, limit_ms: float, best_ms: float | None) -> GatewayError:
+    """503 for a request whose latency target (``target``: ttft or tpot) no replica is predicted to meet."""
+    best = f"; the best replica is predicted at {best_ms:.0f} ms" if best_ms is not None else ""
+    return GatewayError(503, f"no replica is predicted to meet x-slo-{target}-ms: {limit_ms:g}{best}",
+                        "service_unavailable_error", "slo_unattainable", param=f"x-slo-{target}-ms",
+                        headers={"retry-after": "1"})
+
+
 async def send_error(send: Any, e: GatewayError, request_id: str) -> None:
     body = e.body()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

@@ -44,6 +44,7 @@ from .shared_conversations import SharedConversations
 from .shared_load import SharedLoad, new_host_id
 from .store import Store
 from .tenants import Tenant, Tenants
+from .tracing import Trace, Tracer
 
 log = logging.getLogger("kvroute.api")
 
@@ -75,7 +76,8 @@ class Gateway:
         # ... and the health checks of the replicas (router.replicas.shared_health)
         self.pool = ReplicaPool(config.replicas, config.health, config.proxy, self.metrics, self.load, self.events,
                                 default_blocks=config.index.default_blocks, shared=self.shared_load,
-                                instance=self.instance, store=self.store, router_id=f"{host_id}.{worker}")
+                                instance=self.instance, store=self.store, router_id=f"{host_id}.{worker}",
+                                prediction=config.prediction)
         index: TieredIndex | None = None
         keys: PromptKeys | None = None
         self.feed: EventFeed | None = None
@@ -104,15 +106,17 @@ class Gateway:
                                candidates=Candidates(self.pool, config.candidates, index) if index else None,
                                responses=ResponseHomes(build_sessions(config.index, config.sessions, self.metrics,
                                                                       share, self.load, self.store)),
-                               shared_load=self.shared_load)
+                               shared_load=self.shared_load, slo=config.slo,
+                               kv_read_cost=config.cache_aware.kv_read_cost)
         # the other routers hear what this one answered and continued (router.shared_conversations)
         self.shared_conversations: SharedConversations | None = None
         if conversations is not None and self.shared_load is not None:
             assert self.store is not None
             self.shared_conversations = SharedConversations(self.store, conversations, self.load,
                                                             config.shared_load, self.shared_load.id)
+        self.tracer = Tracer(config.tracing)  # spans per request, when an OTLP endpoint is configured
         self.forwarder = Forwarder(self.decider, self.pool, config.proxy, self.metrics, config.client.send_timeout_s,
-                                   Splitter(self.pool, config.disaggregation, self.events))
+                                   Splitter(self.pool, config.disaggregation, self.events), self.tracer)
         self.membership = Membership(config, self.pool, self.store)
         self.auth = Auth(config.auth, self.tenants.knows_key)
         self.started = time.time()
@@ -140,9 +144,13 @@ class Gateway:
         tenant = self.tenants.identify(headers, token)
         return hops.via_line(headers, self.instance), tenant
 
-    async def reject(self, send: Any, e: GatewayError, path: str, request_id: str) -> None:
-        """Answer a request refused before any replica saw it: counted, logged, and the error sent."""
+    async def reject(self, send: Any, e: GatewayError, path: str, request_id: str, trace: Trace | None = None,
+                     started: float = 0.0) -> None:
+        """Answer a request refused before any replica saw it: counted, logged, traced, and the error sent."""
         self.metrics.requests.labels("", "none", str(e.status)).inc()
+        if trace is not None:
+            self.tracer.export(trace, started, time.perf_counter(), e.status,
+                               {"url.path": path, "kvroute.request_id": request_id, "kvroute.outcome": e.code})
         log.info("%s rejected: %d %s", path, e.status, e.code,
                  extra={"request_id": request_id, "status": e.status, "outcome": e.code})
         await send_error(send, e, request_id)

@@ -181,6 +181,28 @@ class Metrics:
             "kvroute_class_queue_wait_seconds", "Time requests waited in the router queue, per priority class.",
             ["class"], buckets=_QUEUE_BUCKETS, registry=r)
 
+        self.ttft_ratio = Histogram(
+            "kvroute_ttft_prediction_ratio", "Measured over predicted time to first token of each streamed answer "
+            "(the prediction as routing used it, corrected): 1 is exact, 2 took twice as long as predicted.",
+            ["replica", "platform"], buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0), registry=r)
+        self.ttft_error = Gauge(
+            "kvroute_ttft_prediction_error", "Recent error of the predicted time to first token per replica: the "
+            "average over about the last prediction.window answers of |predicted - measured| / measured.",
+            ["replica"], registry=r, multiprocess_mode="livemax")
+        self.ttft_fixed = Gauge(
+            "kvroute_ttft_fixed_seconds", "The fixed part of a replica's predicted times to first token, learned "
+            "online from its answers (set once prediction.min_samples came, its own or its kind's).",
+            ["replica"], registry=r, multiprocess_mode="livemostrecent")
+        self.ttft_slope = Gauge(
+            "kvroute_ttft_model_slope", "What a replica's predicted prefill is multiplied by, learned online from its "
+            "answers: above 1, the model prices its prefill too cheap.",
+            ["replica"], registry=r, multiprocess_mode="livemostrecent")
+        self.slo = Counter(
+            "kvroute_slo_requests", "Requests with a latency target (x-slo-ttft-ms, x-slo-tpot-ms), per target, by "
+            "outcome: met, missed (measured over the target), rejected (no replica predicted to meet it), routed (none "
+            "predicted to, sent anyway: slo.on_miss route).",
+            ["target", "outcome"], registry=r)
+
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, bound once: label lookups cost more than the increment.
 

@@ -38,6 +38,7 @@ from .failure_kinds import KINDS, FailureKind
 from .metrics import Metrics
 from .replicas import Replica, ReplicaPool
 from .routing import Decider, Ticket
+from .tracing import Tracer, shown
 from .upstream import ReadTimeout, UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvroute.proxy")
@@ -64,9 +65,12 @@ class _Failure:
     resume: bool = False  # a started stream broke, and another replica may continue it
 
 
-def _request_headers(call: Call, replica: Replica) -> bytes:
-    """The header lines a replica gets: the client's it may see, the request id, the replica's own."""
-    return b"%sx-request-id: %s\r\n%s" % (call.headers, call.request_id.encode("latin-1"), replica.header_lines)
+def _request_headers(call: Call, replica: Replica, span_id: int = 0) -> bytes:
+    """The header lines a replica gets: the client's it may see, the request id, the replica's own; with a
+    trace, the attempt's span as its parent."""
+    out = b"%sx-request-id: %s\r\n%s" % (call.headers, call.request_id.encode("latin-1"), replica.header_lines)
+    trace = call.route.trace
+    return out if trace is None else out + trace.header(span_id)
 
 
 def _prioritized(call: Call, replica: Replica, body: bytes) -> bytes:
@@ -78,8 +82,10 @@ def _prioritized(call: Call, replica: Replica, body: bytes) -> bytes:
 
 class Forwarder:
     def __init__(self, decider: Decider, pool: ReplicaPool, cfg: ProxyConfig, metrics: Metrics,
-                 send_timeout_s: float = 60.0, splitter: Splitter | None = None) -> None:
+                 send_timeout_s: float = 60.0, splitter: Splitter | None = None,
+                 tracer: Tracer | None = None) -> None:
         self.decider = decider
+        self.tracer = tracer
         self.pool = pool
         self.cfg = cfg
         self.metrics = metrics
@@ -194,13 +200,17 @@ class Forwarder:
             call.attempts += 1
             call.replica = ticket.name
             call.ticket = ticket
+            began = self._attempt_span(call)
             try:
                 failure = await self._attempt(call, ticket, send)
             except BaseException:  # the client left, or the answer broke after it started
                 ticket.finish(call.status or 499)
+                self._traced(call, ticket, began, call.status or 499, call.broken or "client_left")
                 raise
+            self._traced(call, ticket, began, failure.status if failure and failure.status else call.status,
+                         failure.kind if failure else call.broken)
             if failure is None:
-                ticket.finish(call.status, call.prompt_tokens, call.broken)
+                ticket.finish(call.status, call.prompt_tokens, call.broken, call.per_token_s())
                 if call.splice is not None:
                     self.metrics.stream_failovers.labels("completed").inc()
                     call.outcome = "continued"
@@ -236,7 +246,7 @@ class Forwarder:
         """One try on one replica. Returns a failure that may be retried, or None once answered."""
         replica = ticket.replica
         assert replica.upstream is not None
-        headers = _request_headers(call, replica)
+        headers = _request_headers(call, replica, call.attempt_span)
         body = _prioritized(call, replica, call.continued or call.decode_body or call.body)
         wait = self.cfg.stream_idle_timeout_s if call.stream else self.cfg.request_timeout_s
         # a stream's headers come as soon as vLLM accepts the request; a JSON answer's with the whole answer
@@ -401,11 +411,15 @@ class Forwarder:
                 except GatewayError:
                     break  # no prefill replica (left) to try
                 tries += 1
+                began = self._attempt_span(call)
                 try:
                     failure, answer = await self._prefill_attempt(call, ticket, body)
                 except BaseException:  # the client left: the replica's request was closed, which aborts it
                     ticket.finish(499)
+                    self._traced(call, ticket, began, 499, "client_left")
                     raise
+                self._traced(call, ticket, began, failure.status if failure and failure.status else 200,
+                             failure.kind if failure else None)
                 if failure is None:
                     assert answer is not None
                     ticket.finish(200)
@@ -438,7 +452,7 @@ class Forwarder:
         """One prefill on one replica: its whole JSON answer, or the failure (a 4xx with its answer)."""
         replica = ticket.replica
         assert replica.upstream is not None
-        headers = _request_headers(call, replica)
+        headers = _request_headers(call, replica, call.attempt_span)
         body = _prioritized(call, replica, body)
         wait = self.cfg.request_timeout_s
         try:
@@ -446,7 +460,8 @@ class Forwarder:
         except UpstreamError as e:
             return _Failure(ticket.name, e.kind), None
         try:
-            ticket.first_byte(upstream.status)  # the prompt is computed: no longer pending there
+            # the prompt is computed: no longer pending there (its one token came with the answer's headers)
+            ticket.first_byte(upstream.status, True)
             try:
                 answer = await upstream.read(_BUFFERED, wait)
             except UpstreamError as e:
@@ -496,6 +511,36 @@ class Forwarder:
         raise GatewayError(kind.status, f"no replica answered ({call.attempts} attempt(s), last: {failure.replica}, "
                            f"{kind.message})", kind.type, kind.code)
 
+    @staticmethod
+    def _attempt_span(call: Call) -> float:
+        """A new span id for the attempt about to go out (its traceparent), when traced; returns its start."""
+        if call.route.trace is not None:
+            call.attempt_span = call.route.trace.new_id()
+        return time.perf_counter()
+
+    @staticmethod
+    def _traced(call: Call, ticket: Ticket, began: float, status: int, failure: str | None) -> None:
+        """Note the attempt that began at ``began`` on the request's trace (when traced)."""
+        trace = call.route.trace
+        if trace is None:
+            return
+        attrs = {"kvroute.replica": ticket.name, "kvroute.attempt": call.attempts, "kvroute.phase": call.route.phase,
+                 "http.response.status_code": status, "kvroute.continuation": call.continued is not None}
+        if call.upstream_ttfb is not None:
+            attrs["kvroute.upstream_ttfb_ms"] = round(call.upstream_ttfb * 1e3, 3)
+        if failure is not None:
+            attrs["kvroute.failure"] = failure
+        trace.add("kvroute.attempt", began, time.perf_counter(), error=failure, span_id=call.attempt_span, **attrs)
+
+    def _judge_slo(self, call: Call) -> None:
+        """Count whether an answered request met its latency targets (as its client saw the first token)."""
+        m, route = self.metrics, call.route
+        if route.slo_ttft_s is not None and call.ttfb is not None and call.stream:
+            m.child(m.slo, "ttft", "met" if call.ttfb <= route.slo_ttft_s else "missed").inc()
+        per_token = call.per_token_s() if route.slo_tpot_s is not None else None
+        if per_token is not None:
+            m.child(m.slo, "tpot", "met" if per_token <= (route.slo_tpot_s or 0.0) else "missed").inc()
+
     def _record(self, call: Call) -> None:
         elapsed = time.perf_counter() - call.started
         ticket = call.ticket
@@ -503,6 +548,16 @@ class Forwarder:
             ticket.replica.m_latency.observe(elapsed)
         self.metrics.child(self.metrics.requests, self.pool.model_label(call.model), call.replica,
                            str(call.status)).inc()
+        route = call.route
+        if (route.slo_ttft_s is not None or route.slo_tpot_s is not None) and 200 <= call.status < 300:
+            self._judge_slo(call)
+        if route.trace is not None and self.tracer is not None:
+            self.tracer.export(route.trace, call.started, call.started + elapsed, call.status, {
+                "http.request.method": "POST", "url.path": call.path, "kvroute.request_id": call.request_id,
+                "kvroute.model": shown(call.model), "kvroute.tenant": shown(route.tenant),
+                "kvroute.outcome": call.outcome, "kvroute.attempts": call.attempts, "kvroute.stream": call.stream,
+                "kvroute.replica": call.replica, **({"kvroute.ttfb_ms": round(call.ttfb * 1e3, 3)}
+                                                    if call.ttfb is not None else {})})
         decision: dict[str, Any] = {}
         if ticket is not None and ticket.reason is not None:
             decision = {"prompt_tokens": call.route.prompt_tokens, "cached_tokens": ticket.cached_tokens,

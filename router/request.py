@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .conversations import Continuation
     from .prefix import PromptKey
+    from .tracing import Trace
 
 
 @dataclass(slots=True)
@@ -34,6 +35,10 @@ class RouteRequest:
     rank: int = 1  # its class's place in router.config.tenants.CLASSES (0 the most urgent)
     weight: float = 1.0  # its tenant's share against the others of its class
     output_tokens: int = 256  # the completion tokens it is expected to use (its max_tokens, else tenancy.output_tokens)
+    # latency targets (x-slo-ttft-ms, x-slo-tpot-ms), in seconds: ttft counted from ``arrived`` (perf_counter)
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    arrived: float = 0.0
     # filled by the router
     prepared: bool = False
     prepare_s: float = 0.0  # what preparing it took, until its decision counts it
@@ -52,6 +57,7 @@ class RouteRequest:
     # of a split request: the platforms of the replicas its phase may use (KV moves only between platforms able to
     # transfer: router.disaggregation); None: any
     platforms: frozenset[str] | None = None
+    trace: "Trace | None" = None  # its spans as they happen, when it is traced (router.tracing)
 
     def prompt_estimate(self) -> int:
         """Its prompt tokens as the router counted them, else about a quarter of its body's bytes (not keyed)."""

@@ -36,7 +36,8 @@ from .index import PrefixIndex, Receipt
 from .prompt_keys import PromptKeys
 from .load import LoadTable
 from .metrics import Metrics
-from .policy import NoCandidate, Policy
+from .config import SloConfig
+from .policy import NoCandidate, Policy, predict
 from .replicas import Replica, ReplicaPool
 from .request import RouteRequest
 from .responses import ResponseHomes
@@ -58,10 +59,11 @@ class Ticket:
     """One attempt's routing: where it goes, and what routing must hear back about it."""
 
     __slots__ = ("_decider", "req", "replica", "name", "cached_tokens", "reason", "learns_tokens", "_pending",
-                 "_receipts", "prompt_ends", "_open")
+                 "_receipts", "prompt_ends", "_open", "model_s", "predicted_s", "running", "decided_at")
 
     def __init__(self, decider: "Decider", req: RouteRequest, replica: Replica, cached: int, reason: str | None,
-                 pending: int, receipts: list[Receipt], prompt_ends: list[int]) -> None:
+                 pending: int, receipts: list[Receipt], prompt_ends: list[int], model_s: float = 0.0,
+                 predicted_s: float | None = None, running: float = 0.0) -> None:
         self._decider = decider
         self.req = req
         self.replica = replica  # for sending (its upstream connections); routing state lives elsewhere
@@ -74,11 +76,23 @@ class Ticket:
         self._receipts = receipts
         self.prompt_ends = prompt_ends  # the last block of each prompt: where its conversation waits once answered
         self._open = True
+        # its time to first token as predicted at the decision (router.policy.predict): the model's prefill, and
+        # the whole with the replica's line (None: not predicted, the prompt was not keyed); the sequences running
+        # there then
+        self.model_s = model_s
+        self.predicted_s = predicted_s
+        self.running = running
+        self.decided_at = time.perf_counter()  # what the prediction counts from
 
-    def first_byte(self, status: int) -> None:
-        """The replica sent its first byte: the prompt's prefill is no longer pending there."""
+    def first_byte(self, status: int, first_token: bool = False) -> None:
+        """The replica sent its first byte: the prompt's prefill is no longer pending there. ``first_token``: that
+        byte carries the first token (a stream's first event, a prefill's answer), timed against the prediction
+        from the decision on (the router's own time to send it included, as a client sees it)."""
         self._prefilled()
         if 200 <= status < 300:
+            if first_token and self.predicted_s is not None:
+                self._decider.pool.corrections.first_token(self.replica, self.model_s, self.predicted_s,
+                                                           time.perf_counter() - self.decided_at)
             # now, not at the end: the session's next turn may come through another router mid-stream
             if self.req.session_id is not None:
                 self._decider.sessions.remember(self.req.session_id, self.name)
@@ -92,13 +106,16 @@ class Ticket:
             self._prefilled()
             self._decider._failed(self, kind)
 
-    def finish(self, status: int, prompt_tokens: int | None = None, broken: str | None = None) -> None:
+    def finish(self, status: int, prompt_tokens: int | None = None, broken: str | None = None,
+               per_token_s: float | None = None) -> None:
         """The answer ended (completed, broken mid-stream, or the client left); ``prompt_tokens`` is the
         replica's count of the prompt, when its answer said; ``broken`` the failure kind that ended a
-        stream the replica broke."""
+        stream the replica broke; ``per_token_s`` a whole stream's seconds per output token after its first."""
         if self._open:
             self._open = False
             self._prefilled()
+            if per_token_s is not None and broken is None and 200 <= status < 300:
+                self._decider.pool.corrections.per_token(self.replica, self.running, per_token_s)
             self._decider._finished(self, status, prompt_tokens)
             if broken is not None or (0 < status < 500 and status != 499):  # a client leaving says nothing
                 self._decider._judge(self, broken)
@@ -117,7 +134,8 @@ class Decider:
                  sessions: Sessions, metrics: Metrics, events: EventBus,
                  index: PrefixIndex | None = None, keys: PromptKeys | None = None,
                  conversations: Conversations | None = None, candidates: Candidates | None = None,
-                 responses: ResponseHomes | None = None, shared_load: SharedLoad | None = None) -> None:
+                 responses: ResponseHomes | None = None, shared_load: SharedLoad | None = None,
+                 slo: SloConfig | None = None, kv_read_cost: float = predict.KV_READ_COST) -> None:
         self.pool = pool
         self.load = load
         self.policy = policy
@@ -130,6 +148,8 @@ class Decider:
         self.candidates = candidates  # None: every decision weighs every replica
         self.responses = responses  # where each stored response lives (/v1/responses)
         self.shared_load = shared_load  # the other routers' load, read again before a decision where stale
+        self.slo = slo or SloConfig()
+        self.kv_read_cost = kv_read_cost
         self._m_lookup = metrics.index_lookup
         self._m_decision = metrics.decision
         self._background = Background()
@@ -149,10 +169,7 @@ class Decider:
         else:
             await self.prepare(req)
         req.prepare_s = 0.0
-        try:
-            view, _, waited_s = await self.admission.admit(req)
-        except NoCandidate as e:
-            raise self._unroutable(req, e) from None
+        view, waited_s = await self._admit(req)
         self._m_decision.observe(time.perf_counter() - started - waited_s)
         replica = self.pool.get(view.name)
         assert replica is not None
@@ -161,6 +178,8 @@ class Decider:
         tails: list[int] = []
         reason: str | None = None
         cached = pending = 0
+        model = 0.0
+        predicted: float | None = None
         key = req.key
         if key is not None and self.index is not None and req.model is not None:
             cached = req.cached.get(name, 0)
@@ -189,7 +208,62 @@ class Decider:
                 raise
             if pending:
                 self.load.add_pending(name, pending)
-        return Ticket(self, req, replica, cached, reason, pending, receipts, tails)
+            model = predict.model_s(req, view, self.kv_read_cost)
+            predicted = view.ttft_fixed_s + view.ttft_slope * model
+        if req.trace is not None:
+            self._traced(req, started, waited_s, view, reason, cached, predicted)
+        return Ticket(self, req, replica, cached, reason, pending, receipts, tails, model, predicted, view.load)
+
+    @staticmethod
+    def _traced(req: RouteRequest, started: float, waited_s: float, view: ReplicaView, reason: str | None,
+                cached: int, predicted: float | None) -> None:
+        """Note the decision on the request's trace: the replica, why, what it weighed, and the wait."""
+        trace = req.trace
+        assert trace is not None
+        now = time.perf_counter()
+        attrs = {"kvroute.replica": view.name, "kvroute.reason": reason or "unkeyed", "kvroute.phase": req.phase,
+                 "kvroute.cached_tokens": cached, "kvroute.load": view.load, **trace.decided}
+        if predicted is not None:
+            attrs["kvroute.predicted_ttft_ms"] = round(predicted * 1e3, 3)
+        span = trace.add("kvroute.route", started, now, **attrs)
+        if waited_s > 0:
+            trace.add("kvroute.queue", now - waited_s, now, parent=span, **{"kvroute.tenant": req.tenant,
+                                                                            "kvroute.class_rank": req.rank})
+
+    async def _admit(self, req: RouteRequest) -> tuple[ReplicaView, float]:
+        """Admission's replica and the seconds ``req`` waited for it; a latency target no replica is predicted
+        to meet is answered at once (slo.on_miss reject) or dropped (route)."""
+        try:
+            view, _, waited_s = await self.admission.admit(req)
+            return view, waited_s
+        except NoCandidate as e:
+            if e.why != "slo_unmet":
+                raise self._unroutable(req, e) from None
+        rejected = self.slo.on_miss == "reject"
+        for target in ("ttft", "tpot"):
+            if getattr(req, f"slo_{target}_s") is not None:
+                self.metrics.child(self.metrics.slo, target, "rejected" if rejected else "routed").inc()
+        if rejected:
+            raise self.slo_error(req)
+        req.slo_ttft_s = req.slo_tpot_s = None
+        try:
+            view, _, waited_s = await self.admission.admit(req)
+        except NoCandidate as e:
+            raise self._unroutable(req, e) from None
+        return view, waited_s
+
+    def slo_error(self, req: RouteRequest) -> GatewayError:
+        """503 naming the latency target of ``req`` that no ready replica serving it is predicted to meet, with
+        the best prediction."""
+        views = [v for v in self.pool.views(req.candidates) if v.ready and (req.model is None or req.model in v.models)]
+        if req.slo_ttft_s is not None:
+            best = min((predict.ttft(req, v, self.kv_read_cost) for v in views), default=None)
+            spent = time.perf_counter() - req.arrived
+            if best is None or spent + best > req.slo_ttft_s:
+                return errors.slo_unattainable("ttft", req.slo_ttft_s * 1e3,
+                                               None if best is None else (spent + best) * 1e3)
+        best = min((predict.tpot(v) for v in views if v.tpot_s), default=None)
+        return errors.slo_unattainable("tpot", (req.slo_tpot_s or 0.0) * 1e3, None if best is None else best * 1e3)
 
     async def prepare(self, req: RouteRequest) -> None:
         """Once per request: session, prompt key, the predicted cached tokens and the requests expected back
@@ -201,10 +275,21 @@ class Decider:
         if req.session_id is not None:
             req.session_replica = await self.sessions.get(req.session_id)
         if self.keys is not None and req.payload is not None and req.model is not None:
+            keyed = time.perf_counter()
             req.key = await self.keys.key(req.endpoint, req.payload, req.model, req.body_size)
+            if req.trace is not None:
+                req.trace.add("kvroute.prompt_key", keyed, time.perf_counter(), **{
+                    "kvroute.keyed": req.key is not None,
+                    "kvroute.key_mode": "none" if req.key is None else "bytes" if req.key.in_bytes else "tokens"})
         req.payload = None
         if req.key is not None and self.index is not None:
+            looked = time.perf_counter()
             await self._lookup(req)
+            if req.trace is not None:
+                req.trace.add("kvroute.index_lookup", looked, time.perf_counter(), **{
+                    "kvroute.prompt_tokens": req.prompt_tokens, "kvroute.replicas_weighed": len(req.cached),
+                    "kvroute.best_cached_tokens": max(req.cached.values(), default=0),
+                    "kvroute.index_fallback": req.index_fallback})
         if fresh is not None:
             await fresh
         req.prepare_s = time.perf_counter() - started

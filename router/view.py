@@ -28,6 +28,13 @@ class ReplicaView(NamedTuple):
     role: str = "both"  # both, prefill or decode (disaggregated prefill and decode)
     platform: str = "cuda"  # what it runs on (router/platforms.py): which replicas it can move KV to and from
     routers_inflight: int = 0  # the other routers' requests in flight there (router.shared_load): its slots too
+    # what its answers took (router.replicas.timing): the fixed part of its times to first token and how far the
+    # model's prefill is off (a line through its measured times: router.policy.predict), and seconds per output
+    # token
+    ttft_fixed_s: float = 0.0
+    ttft_slope: float = 1.0
+    tpot_s: float = 0.0  # at no other sequence running; 0: not measured yet
+    tpot_per_seq_s: float = 0.0  # and what each sequence running beside it adds
     # from the load table, at the decision (these three stay last: see with_load)
     drained: bool = False  # an operator stopped new requests to it
     inflight: int = 0

@@ -14,12 +14,12 @@ from .load import env_overrides, load_config, reference, set_path
 from .replica import ReplicaConfig, parse_replica_spec, replica_from
 from .sections import (POLICIES, PRESETS, AuthConfig, CacheAwareConfig, CandidatesConfig, ClientConfig,
                        ConversationsConfig, DisaggregationConfig, HealthConfig, IndexConfig, KvEventsConfig, LogConfig, MembershipConfig,
-                       PolicyConfig, PrefixConfig, ProxyConfig, QueueConfig, RouterConfig, SessionConfig,
-                       SharedLoadConfig, StageConfig)
+                       PolicyConfig, PredictionConfig, PrefixConfig, ProxyConfig, QueueConfig, RouterConfig,
+                       SessionConfig, SharedLoadConfig, SloConfig, StageConfig, TracingConfig)
 from .tenants import TenancyConfig, TenantConfig
 
 __all__ = ["POLICIES", "PRESETS", "AuthConfig", "CacheAwareConfig", "CandidatesConfig", "ClientConfig", "ConfigError",
            "ConversationsConfig", "DisaggregationConfig", "HealthConfig", "IndexConfig", "KvEventsConfig", "LogConfig", "MembershipConfig",
-           "PolicyConfig", "PrefixConfig", "ProxyConfig", "QueueConfig", "ReplicaConfig", "RouterConfig",
-           "SessionConfig", "SharedLoadConfig", "StageConfig", "TenancyConfig", "TenantConfig", "env_overrides", "load_config", "mask_url",
+           "PolicyConfig", "PredictionConfig", "PrefixConfig", "ProxyConfig", "QueueConfig", "ReplicaConfig", "RouterConfig",
+           "SessionConfig", "SharedLoadConfig", "SloConfig", "StageConfig", "TracingConfig", "TenancyConfig", "TenantConfig", "env_overrides", "load_config", "mask_url",
            "parse_replica_spec", "reference", "replica_from", "set_path"]

@@ -262,7 +262,7 @@ class PolicyConfig(_Model):
 
     filters: list[str | StageConfig] | None = Field(None, description="filters in order; default: ready, "
                                                      "serves-model, role, transfer-pair, not-drained, not-tried, "
-                                                     "below-capacity")
+                                                     "meets-slo, below-capacity")
     scorers: list[StageConfig] = Field(default_factory=list, description="scorers and their weights")
     picker: str | StageConfig = Field("max-score", description="max-score or round-robin")
 
@@ -277,6 +277,28 @@ class QueueConfig(_Model):
                                   "beyond it); 0 keeps only the difference")
     reserve_max_share: float = Field(0.25, ge=0, le=1, description="at most this share of the slots is ever kept "
                                      "for more urgent classes; 0 keeps none")
+
+
+class PredictionConfig(_Model):
+    """The predicted time to first token against the measured one (see docs/routing.md#predicted-times)."""
+
+    correct: bool = Field(True, description="predict each replica's times to first token on a line fitted to its "
+                          "measured ones (a fixed part, and the model's prefill by a slope), and weigh its prefill "
+                          "by that slope: a replica the model prices too cheap or too dear is routed to as it "
+                          "answers; false only measures")
+    window: int = Field(200, ge=2, le=100_000, description="streamed answers the fitted line and the reported error "
+                        "average over, about (per replica, and per kind of replica)")
+    min_samples: int = Field(20, ge=1, le=100_000, description="streamed answers a replica gives before its own line "
+                             "is used (before that, its kind's, once the replicas of its kind gave as many)")
+
+
+class SloConfig(_Model):
+    """Latency targets a request may carry (x-slo-ttft-ms, x-slo-tpot-ms: see docs/api.md#latency-targets)."""
+
+    on_miss: Literal["reject", "route"] = Field("reject", description="when no replica is predicted to meet a "
+                                                "request's target: reject answers 503 slo_unattainable at once (and "
+                                                "a request that waits in the queue past the time its target "
+                                                "leaves); route sends it to the best replica anyway")
 
 
 class AuthConfig(_Model):
@@ -315,6 +337,26 @@ class MembershipConfig(_Model):
                                    "removed when its last one ends, or after this long")
 
 
+class TracingConfig(_Model):
+    """OpenTelemetry spans for each request (see docs/operations.md#tracing); off unless an endpoint is set."""
+
+    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP traces endpoint, e.g. "
+                                      "http://collector:4318/v1/traces. Unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "
+                                      "else OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces, else no tracing (no cost). "
+                                      "Headers (auth), certificates and timeouts come from the standard OTEL_EXPORTER_"
+                                      "OTLP_* variables; needs pip install 'kvroute[tracing]'")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="share of requests traced that come without a "
+                                "traceparent; one with a traceparent is traced if its sampled flag is set")
+    service_name: str = Field("kvroute", min_length=1, max_length=128, description="service.name of the spans")
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return v
+
+
 class LogConfig(_Model):
     level: Literal["debug", "info", "warning", "error"] = Field("info", description="debug, info, warning or error")
     json_format: bool = Field(False, alias="json", description="one JSON object per line")
@@ -349,6 +391,8 @@ class RouterConfig(_Model):
     prefix: PrefixConfig = Field(default_factory=PrefixConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)
+    prediction: PredictionConfig = Field(default_factory=PredictionConfig)
+    slo: SloConfig = Field(default_factory=SloConfig)
     candidates: CandidatesConfig = Field(default_factory=CandidatesConfig)
     shared_load: SharedLoadConfig = Field(default_factory=SharedLoadConfig)
     conversations: ConversationsConfig = Field(default_factory=ConversationsConfig)
@@ -359,6 +403,7 @@ class RouterConfig(_Model):
                                         "its keys, class, weight and limits (also set at run time: /admin/tenants)")
     tenancy: TenancyConfig = Field(default_factory=TenancyConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight streams may finish")
     shutdown_unready_s: float | None = Field(None, ge=0, description="on SIGTERM, how long /ready answers 503 while "
                                              "requests are still served, before the listener closes; default: two "

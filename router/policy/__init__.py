@@ -21,17 +21,18 @@ are validated against it and the stage is built as ``Class(params)``.
 from __future__ import annotations
 
 # importing each stage module registers its stages
+from . import predict
 from .build import build_policy
 from .cost import CostTerms, PredictedTTFTScorer
 from .decision import Policy
-from .filters import DEFAULT_FILTERS, BelowCapacity, NotDrained, NotTried, Ready, Role, ServesModel, TransferPair
+from .filters import DEFAULT_FILTERS, BelowCapacity, MeetsSlo, NotDrained, NotTried, Ready, Role, ServesModel, TransferPair
 from .pickers import MaxScoreParams, MaxScorePicker, RoundRobinPicker
 from .scorers import KVUsageScorer, LoadScorer, PrefixScorer, SessionScorer
 from .stages import (FILTERS, PICKERS, SCORERS, Empty, Filter, NoCandidate, Picker, Scored, Scorer, Stage,
                      register_filter, register_picker, register_scorer)
 
 __all__ = ["BelowCapacity", "CostTerms", "DEFAULT_FILTERS", "Empty", "FILTERS", "Filter", "KVUsageScorer",
-           "LoadScorer", "MaxScoreParams", "MaxScorePicker", "NoCandidate", "NotDrained", "NotTried", "PICKERS", "Picker", "Policy",
+           "LoadScorer", "MaxScoreParams", "MeetsSlo", "MaxScorePicker", "NoCandidate", "NotDrained", "NotTried", "PICKERS", "Picker", "Policy",
            "PredictedTTFTScorer", "PrefixScorer", "Ready", "Role", "RoundRobinPicker", "SCORERS", "Scored", "Scorer",
-           "ServesModel", "SessionScorer", "Stage", "TransferPair", "build_policy", "register_filter",
+           "ServesModel", "SessionScorer", "Stage", "TransferPair", "build_policy", "predict", "register_filter",
            "register_picker", "register_scorer"]

@@ -84,4 +84,6 @@ class Policy:
             scored = [(v, w * s(req, v)) for v in cands]
         else:
             scored = [(v, sum(w * s(req, v) for s, w in scorers)) for v in cands]
+        if req.trace is not None:  # what it weighed, for the request's trace
+            req.trace.weighed(scored)
         return self.picker(req, scored)

@@ -1,10 +1,13 @@
 """The built-in filters: which replicas may take a request at all (ready, serving its model, not drained, not
-tried already, below capacity)."""
+tried already, predicted to meet the request's latency targets, below capacity)."""
 
 from __future__ import annotations
 
+import time
+
 from ..request import RouteRequest
 from ..view import ReplicaView
+from .predict import tpot, ttft
 from .stages import Filter, register_filter
 
 
@@ -79,4 +82,23 @@ class TransferPair(Filter):
         return allowed is None or view.platform in allowed
 
 
-DEFAULT_FILTERS = ("ready", "serves-model", "role", "transfer-pair", "not-drained", "not-tried", "below-capacity")
+@register_filter("meets-slo")
+class MeetsSlo(Filter):
+    """A request with latency targets goes only where it is predicted to meet them (:mod:`.predict`): its first
+    token by ``arrived + slo_ttft_s`` (the time it already spent counts), and a time per output token within
+    ``slo_tpot_s`` with one more sequence running there (not judged before the replica's streams were timed).
+    Before below-capacity: a request no replica could serve in time is told so, not queued."""
+
+    when_empty = "slo_unmet"
+
+    def keep(self, req: RouteRequest, view: ReplicaView) -> bool:
+        if req.slo_ttft_s is not None and req.phase != "decode":
+            if ttft(req, view) > req.arrived + req.slo_ttft_s - time.perf_counter():
+                return False
+        if req.slo_tpot_s is not None and view.tpot_s and tpot(view) > req.slo_tpot_s:
+            return False
+        return True
+
+
+DEFAULT_FILTERS = ("ready", "serves-model", "role", "transfer-pair", "not-drained", "not-tried", "meets-slo",
+                   "below-capacity")

@@ -11,7 +11,8 @@ from ..request import RouteRequest
 from ..view import ReplicaView
 
 # Why a filter left no replica: each maps to a different answer to the client.
-Empty = Literal["no_ready", "unknown_model", "drained", "tried", "at_capacity", "no_role", "no_transfer_pair"]
+Empty = Literal["no_ready", "unknown_model", "drained", "tried", "at_capacity", "no_role", "no_transfer_pair",
+                "slo_unmet"]
 
 Scored = tuple[ReplicaView, float]
 

@@ -15,7 +15,7 @@ import asyncio
 import logging
 from typing import Any, Sequence
 
-from ..config import HealthConfig, ProxyConfig, ReplicaConfig
+from ..config import HealthConfig, PredictionConfig, ProxyConfig, ReplicaConfig
 from ..replica_events import EventBus, ReplicaAdded, ReplicaModels, ReplicaReady, ReplicaRemoved
 from ..load import LoadTable
 from ..memory import FreedMemory
@@ -27,6 +27,7 @@ from ..view import ReplicaView, with_load, with_others
 from . import models
 from .control import Control, fetch
 from .health import Health
+from .corrections import Corrections
 from .learning import PrefillLearning
 from .record import DEFAULT_BLOCKS, Replica
 from .scrape import Scraper
@@ -49,6 +50,7 @@ class ReplicaPool:
         instance: str | None = None,
         store: Store | None = None,
         router_id: str | None = None,
+        prediction: PredictionConfig | None = None,
     ) -> None:
         self.instance = instance  # this router's id (router.hops): a replica answering with it is this router
         self.shared = shared  # the other routers' load on each replica, with a Redis index
@@ -60,6 +62,7 @@ class ReplicaPool:
         self.replicas: dict[str, Replica] = {}
         self.health = Health(health, metrics, self.events)
         self.prefill = PrefillLearning(self.replicas)
+        self.corrections = Corrections(prediction or PredictionConfig(), metrics, self.replicas)  # answers' times against predicted
         self.scraper = Scraper(health.timeout_s, instance, load, shared, metrics, self.events, self.health,
                                self.prefill)
         # with a Redis store, the routers on it share the checks (each replica has one owner among them)
@@ -120,6 +123,7 @@ class ReplicaPool:
             raise ValueError(f"replica {cfg.name!r} is already in the pool")
         self.load.add(cfg.name)
         r = self.replicas[cfg.name] = self._make(cfg)
+        self.corrections.joined(r)
         if self._started:
             self._spawn(r)
         log.info("replica %s added (%s)", r.name, r.config.shown_url, extra={"replica": r.name})

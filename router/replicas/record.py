@@ -1,7 +1,7 @@
 """The replica record: one replica's configuration and everything the router has learned about it.
 
 The record is written by the modules of this package only: :mod:`.health` moves its state, :mod:`.control`
-stores what its checks and scrapes found, :mod:`.learning` its prefill figures, :mod:`.pool` creates and
+stores what its checks and scrapes found, :mod:`.learning` its prefill figures, :mod:`.corrections` its measured times, :mod:`.pool` creates and
 closes it. After every change the writer rebuilds :attr:`Replica.view` (:meth:`Replica.make_view`), the
 immutable :class:`~router.view.ReplicaView` that routing reads, with no load in it (the load table adds
 that per decision).
@@ -19,6 +19,7 @@ from ..upstream import UpstreamPool
 from ..view import ReplicaView
 from .prefill import PrefillEstimate
 from .stats import ReplicaStats
+from .timing import TimingEstimate
 
 DEFAULT_BLOCKS = IndexConfig().default_blocks
 
@@ -26,6 +27,11 @@ State = Literal["starting", "ready", "unready"]
 
 # Replicas of one kind prefill at one speed: the same platform, parallel sizes and models.
 Kind = tuple[str, int, int, frozenset[str]]
+
+
+def _slope(fit: tuple[float, float] | None, rate: float) -> float:
+    """How far a fitted line's seconds per prefill token are from the model's ``1 / rate`` (1 without a line)."""
+    return min(4.0, max(0.0, fit[1] * rate)) if fit is not None else 1.0
 
 
 class Replica:
@@ -54,6 +60,9 @@ class Replica:
         # sizes and models), this one included: what routing uses once learned
         self.kind_prefill: tuple[float | None, float | None] = (None, None)
         self.prefill_base: ReplicaStats | None = None  # the scrape the next prefill-rate sample counts from
+        self.timing = TimingEstimate()  # its answers' times against the predicted ones (.corrections)
+        # (fixed s, s per prefill token) of its times to first token, as .corrections last set
+        self.ttft_fit: tuple[float, float] | None = None
         self.checks = 0  # health checks answered by /health with 200
         self.fails = 0
         self.successes = 0
@@ -81,6 +90,8 @@ class Replica:
     def make_view(self) -> ReplicaView:
         """This replica as routing sees it, without load (the load table adds that per decision)."""
         cfg = self.config
+        tpot, tpot_per_seq = self.timing.tpot_fit()
+        slope = _slope(self.ttft_fit, self.prefill_rate)
         return ReplicaView(
             name=self.name, ready=self.ready, models=self.models,
             max_num_seqs=cfg.max_num_seqs, capacity=cfg.capacity, block_size=self.block_size,
@@ -88,7 +99,10 @@ class Replica:
             prefill_marginal_s=min(self.kind_prefill[1] or 0.0, 1.0 / self.prefill_rate),
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             kv_usage=self.stats.kv_usage if self.stats is not None else 0.0, external_load=self.external_load,
-            restarts=self.restarts, role=cfg.role, platform=cfg.platform)
+            restarts=self.restarts, role=cfg.role, platform=cfg.platform,
+            ttft_fixed_s=self.ttft_fit[0] if self.ttft_fit else self.prefill.fixed_s or 0.0,
+            ttft_slope=slope,
+            tpot_s=tpot, tpot_per_seq_s=tpot_per_seq)
 
     @property
     def kind(self) -> Kind:
@@ -160,6 +174,13 @@ class Replica:
             "prefill_tokens_per_s_own": self.prefill.rate,  # by its own metrics alone
             # seconds one more queued prompt token adds to a step shared with a new request (None: not told yet)
             "prefill_s_per_token_in_step": self.kind_prefill[1],
+            # its streamed answers against the predictions (router.replicas.corrections)
+            "ttft_fixed_ms": round(self.view.ttft_fixed_s * 1e3, 3),
+            "ttft_model_slope": self.view.ttft_slope,
+            "ttft_prediction_error": self.timing.error,
+            "ttft_answers_timed": self.timing.samples,
+            "tpot_ms": round(self.view.tpot_s * 1e3, 3) if self.view.tpot_s else None,
+            "tpot_ms_per_running_seq": round(self.view.tpot_per_seq_s * 1e3, 4) if self.view.tpot_s else None,
             "engine": None if s is None else {
                 "running": s.running,
                 "waiting": s.waiting,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import socket
+import sys
 import time
 from pathlib import Path
 
 import yaml
 
-from loadtest.cluster import Proc, router, simulator, slow_proxy
+from loadtest.cluster import Proc, free_port, router, simulator, slow_proxy
 
 # Fast by default: tests set slower timings where they need them.
 FAST = ("--ttft-ms", "2", "--itl-ms", "1")
@@ -48,6 +49,17 @@ class Cluster:
         """A proxy in front of ``to`` that holds every read ``delay_ms`` each way, once it listens."""
         p = slow_proxy(to.port, delay_ms, log_dir=self.log_dir)
         self.procs.append(p.start())
+        return self._listening(p)
+
+    def otlp_receiver(self) -> Proc:
+        """An OTLP/HTTP trace receiver (support/otlp_receiver.py): POST /v1/traces, GET /spans."""
+        port = free_port()
+        p = Proc(f"otlp-{port}", [sys.executable, str(Path(__file__).with_name("otlp_receiver.py")), str(port)], port,
+                 log_path=self.log_dir / f"otlp-{port}.log")
+        self.procs.append(p.start())
+        return self._listening(p)
+
+    def _listening(self, p: Proc) -> Proc:
         deadline = time.monotonic() + 10
         while True:
             with socket.socket() as s:
