@@ -14,8 +14,17 @@ from collections.abc import Mapping
 
 from ..config import PredictionConfig
 from ..metrics import Metrics
-from .record import Kind, Replica
+from .record import Replica
 from .timing import TimingEstimate
+
+# a kind of replica, as its timing is shared: platform, parallel sizes and a hash of the models it serves (never the
+# models themselves: a replica whose LoRA adapters churn would pin every list it ever had)
+TimingKind = tuple[str, int, int, int]
+
+
+def _kind(r: Replica) -> TimingKind:
+    platform, tp, pp, models = r.kind
+    return platform, tp, pp, hash(models)
 
 MIN_PREDICTED_S = 1e-3  # answers measured below this say nothing of the model
 REBUILD_AT = 0.02  # the view is made again when a figure moved this share from the one it holds
@@ -33,8 +42,8 @@ class Corrections:
         self.cfg = cfg
         self.metrics = metrics
         self.replicas = replicas  # the pool's own mapping, read here, never changed
-        self._kinds: dict[Kind, TimingEstimate] = {}
-        self._kind_fit: dict[Kind, tuple[float, float]] = {}  # the kind's fit as last handed to its replicas
+        self._kinds: dict[TimingKind, TimingEstimate] = {}
+        self._kind_fit: dict[TimingKind, tuple[float, float]] = {}  # the kind's fit as last handed to its replicas
 
     def first_token(self, r: Replica, model_s: float, predicted_s: float, measured_s: float) -> None:
         """A streamed answer's first token came ``measured_s`` after it was sent to ``r``, where the model
@@ -43,9 +52,11 @@ class Corrections:
             return
         t = r.timing
         t.add_ttft(model_s, measured_s, predicted_s, r.view.prefill_rate, self.cfg)
-        kind = self._kinds.get(r.kind)
+        key = _kind(r)
+        kind = self._kinds.get(key)
         if kind is None:
-            kind = self._kinds[r.kind] = TimingEstimate()
+            self._prune()
+            kind = self._kinds[key] = TimingEstimate()
         kind.add_ttft(model_s, measured_s, predicted_s, r.view.prefill_rate, self.cfg)
         m = self.metrics
         m.child(m.ttft_ratio, r.name, r.config.platform).observe(measured_s / predicted_s)
@@ -55,10 +66,10 @@ class Corrections:
         shared = kind.ttft_fit(self.cfg, rate)
         own = t.ttft_fit(self.cfg, rate)
         self._correct(r, own if own is not None else shared)
-        if shared is not None and self._changed(shared, self._kind_fit.get(r.kind)):
-            self._kind_fit[r.kind] = shared
+        if shared is not None and self._changed(shared, self._kind_fit.get(key)):
+            self._kind_fit[key] = shared
             for other in self.replicas.values():  # those of the kind still short of answers of their own
-                if other.kind == r.kind and other.timing.samples < self.cfg.min_samples:
+                if other.timing.samples < self.cfg.min_samples and _kind(other) == key:
                     self._correct(other, shared)
 
     def per_token(self, r: Replica, running: float, seconds: float) -> None:
@@ -72,9 +83,18 @@ class Corrections:
 
     def joined(self, r: Replica) -> None:
         """A replica joined: corrected as the others of its kind are, until it has answers of its own."""
-        shared = self._kind_fit.get(r.kind)
+        shared = self._kind_fit.get(_kind(r))
         if shared is not None:
             self._correct(r, shared)
+
+    def _prune(self) -> None:
+        """Forget the kinds no replica is of any more (models come and go), before their count outgrows the fleet."""
+        if len(self._kinds) < 2 * len(self.replicas) + 8:
+            return
+        live = {_kind(r) for r in self.replicas.values()}
+        for key in [k for k in self._kinds if k not in live]:
+            del self._kinds[key]
+            self._kind_fit.pop(key, None)
 
     @staticmethod
     def _changed(fit: tuple[float, float] | None, held: tuple[float, float] | None) -> bool:
