@@ -377,8 +377,7 @@ class Admission:
         it soonest (where it has one): past that, waiting is in vain."""
         if req.slo_ttft_s is None or req.phase == "decode":
             return None
-        best = min((predict.ttft(req, v) for v in self.views(req.candidates)
-                    if v.ready and (req.model is None or req.model in v.models)), default=0.0)
+        best = predict.soonest(req, self.views(req.candidates)) or 0.0
         return max(0.0, req.arrived + req.slo_ttft_s - time.perf_counter() - best)
 
     def _on_event(self, event: Event) -> None:

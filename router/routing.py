@@ -209,7 +209,7 @@ class Decider:
             if pending:
                 self.load.add_pending(name, pending)
             model = predict.model_s(req, view, self.kv_read_cost)
-            predicted = view.ttft_fixed_s + view.ttft_slope * model
+            predicted = predict.on_line(view, model)
         if req.trace is not None:
             self._traced(req, started, waited_s, view, reason, cached, predicted)
         return Ticket(self, req, replica, cached, reason, pending, receipts, tails, model, predicted, view.load)
@@ -255,14 +255,15 @@ class Decider:
     def slo_error(self, req: RouteRequest) -> GatewayError:
         """503 naming the latency target of ``req`` that no ready replica serving it is predicted to meet, with
         the best prediction."""
-        views = [v for v in self.pool.views(req.candidates) if v.ready and (req.model is None or req.model in v.models)]
+        views = self.pool.views(req.candidates)
         if req.slo_ttft_s is not None:
-            best = min((predict.ttft(req, v, self.kv_read_cost) for v in views), default=None)
+            best = predict.soonest(req, views, self.kv_read_cost)
             spent = time.perf_counter() - req.arrived
             if best is None or spent + best > req.slo_ttft_s:
                 return errors.slo_unattainable("ttft", req.slo_ttft_s * 1e3,
                                                None if best is None else (spent + best) * 1e3)
-        best = min((predict.tpot(v) for v in views if v.tpot_s), default=None)
+        best = min((predict.tpot(v) for v in views
+                    if v.tpot_s and v.ready and (req.model is None or req.model in v.models)), default=None)
         return errors.slo_unattainable("tpot", (req.slo_tpot_s or 0.0) * 1e3, None if best is None else best * 1e3)
 
     async def prepare(self, req: RouteRequest) -> None:

@@ -13,6 +13,8 @@ decode computes nothing and reads what it lacks (``kv_read_cost`` of a token com
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ..request import RouteRequest
 from ..view import ReplicaView
 
@@ -43,10 +45,21 @@ def model_s(req: RouteRequest, view: ReplicaView, kv_read_cost: float = KV_READ_
     return prefill + shared
 
 
+def on_line(view: ReplicaView, model: float) -> float:
+    """Seconds to a first token on ``view`` whose prefill the model prices at ``model`` seconds: the replica's
+    fixed part and that by its slope, as its answers showed (:mod:`router.replicas.corrections`)."""
+    return view.ttft_fixed_s + view.ttft_slope * model
+
+
 def ttft(req: RouteRequest, view: ReplicaView, kv_read_cost: float = KV_READ_COST) -> float:
-    """Seconds to ``req``'s first token on ``view``: the replica's fixed part and the model's prefill by its
-    slope, as its answers showed (:mod:`router.replicas.corrections`)."""
-    return view.ttft_fixed_s + view.ttft_slope * model_s(req, view, kv_read_cost)
+    """Seconds to ``req``'s first token on ``view``."""
+    return on_line(view, model_s(req, view, kv_read_cost))
+
+
+def soonest(req: RouteRequest, views: Iterable[ReplicaView], kv_read_cost: float = KV_READ_COST) -> float | None:
+    """The soonest predicted first token for ``req`` among the ready ``views`` serving its model (None: none)."""
+    return min((ttft(req, v, kv_read_cost) for v in views
+                if v.ready and (req.model is None or req.model in v.models)), default=None)
 
 
 def tpot(view: ReplicaView) -> float:
