@@ -134,6 +134,8 @@ def start_cluster(cfg: dict[str, Any], out: Path, tag: str, root: Path) -> Fleet
                 args.append("--kv-events")
             if g.get("num_gpu_blocks"):
                 args += ["--num-gpu-blocks", str(g["num_gpu_blocks"])]
+            if c.get("max_model_len"):
+                args += ["--max-model-len", str(c["max_model_len"])]
             if connector:  # as vllm --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
                 args += ["--kv-connector", "NixlConnector"]
             for attempt in range(3):  # another process may take a port between the check and the bind
@@ -231,7 +233,7 @@ def workload_args(cfg: dict[str, Any], rt: RouterRun, urls: list[str]) -> list[s
     args = ["--target", rt.target, "--replicas", ",".join(urls), "--workload", w["kind"],
             "--requests", str(cfg["requests_per_rate"]), "--words", "tiny-model"] + (["--pin"] if rt.pinned else [])
     for key in ("groups", "prompts_per_group", "system_tokens", "question_tokens", "output_tokens", "conversations",
-                "turns", "think_s", "prefixes", "warmup"):
+                "turns", "think_s", "prefixes", "warmup", "trace_sample"):
         if key in w:
             args += ["--" + key.replace("_", "-"), str(w[key])]
     return args
@@ -326,6 +328,57 @@ def verdicts(results: list[dict[str, Any]], mixed: bool = False) -> list[str]:
     return out
 
 
+def trace_reference(cfg: dict[str, Any], root: Path) -> float | None:
+    """A replayed trace's ideal hit rate (``loadtest/trace.py``): the same prompts rendered with the replicas'
+    tokenizer and template, on one LRU cache as large as the whole fleet's KV memory."""
+    w = cfg["workload"]
+    if w["kind"] != "trace":
+        return None
+    from router.tokenizer import LocalTokenizer
+
+    from . import trace
+    tok = LocalTokenizer(str(root))
+    entries = trace.sample(trace.read(), int(w.get("trace_sample", 10)), int(cfg["requests_per_rate"]))
+    gs = groups(cfg)
+    capacity = sum(int(g["replicas"]) * int(g.get("num_gpu_blocks") or PROFILES[g["profile"]].num_gpu_blocks)
+                   for g in gs)
+    block = PROFILES[gs[0]["profile"]].block_size
+
+    def ids(text: str) -> list[int]:
+        return list(tok.chat_ids({"messages": [{"role": "user", "content": text}], "add_generation_prompt": True}))
+    return trace.reference(entries, trace.Texts(load.VOCABULARIES["tiny-model"]), ids, capacity, block)
+
+
+def trace_verdicts(results: list[dict[str, Any]], ideal: float | None) -> list[str]:
+    """On a replayed production trace, at each load: kvroute's hit rate against the ideal placement's, its output
+    throughput against the best other router's, its TTFT p90 against the best other router's."""
+    ours = next((r for r in results if r["router"] == "kvroute"), None)
+    others = [r for r in results if not r["router"].startswith("kvroute") and not r.get("pinned")]
+    if ours is None or not ideal:
+        return []
+    out = []
+    for row in ours["rows"]:
+        f = row["load_fraction"]
+        theirs = [(_row_at(o, f), o["router"]) for o in others if _row_at(o, f)]
+        hit = (row["hit_rate"] or 0.0) / ideal
+        line = (f"- At {f:.0%} of saturation: kvroute keeps {hit:.2f} of the ideal hit rate ({row['hit_rate']} of "
+                f"{ideal:.4f}; target >= 0.95: {'met' if hit >= 0.95 else 'NOT met'})")
+        for r, name in theirs:
+            line += f", {name} {(r['hit_rate'] or 0.0) / ideal:.2f}"
+        if theirs:
+            tput = max(theirs, key=lambda t: t[0]["output_tokens_per_s"])
+            ttft = min(theirs, key=lambda t: t[0]["ttft_p90_ms"] or float("inf"))
+            tr = row["output_tokens_per_s"] / tput[0]["output_tokens_per_s"]
+            line += (f"; output throughput {tr:.3f}x the best other router's ({tput[1]}; target >= 1: "
+                     f"{'met' if tr >= 0.995 else 'NOT met'})")
+            if ttft[0]["ttft_p90_ms"] and row["ttft_p90_ms"]:
+                p = row["ttft_p90_ms"] / ttft[0]["ttft_p90_ms"]
+                line += (f"; TTFT p90 {p:.2f}x the best other router's ({ttft[1]}; target < 1: "
+                         f"{'met' if p < 1 else 'NOT met'})")
+        out.append(line + ".")
+    return out
+
+
 def split_verdicts(results: list[dict[str, Any]]) -> list[str]:
     """kvroute splitting requests against the same replicas taking them whole (kvroute-aggregated), at 70%."""
     ours = next((r for r in results if r["router"] == "kvroute"), None)
@@ -340,7 +393,8 @@ def split_verdicts(results: list[dict[str, Any]]) -> list[str]:
             f"{ttft:.2f}x (target <= 1.2: {'met' if ttft <= 1.2 else 'NOT met'})."]
 
 
-def report(cfg: dict[str, Any], sat: float, results: list[dict[str, Any]], skipped: dict[str, str]) -> str:
+def report(cfg: dict[str, Any], sat: float, results: list[dict[str, Any]], skipped: dict[str, str],
+           ideal: float | None = None) -> str:
     w = cfg["workload"]
     lines = [f"#### Cluster benchmark: {cfg['name']}", "",
              f"{describe(cfg)}; `{w['kind']}` workload ({', '.join(f'{k} {v}' for k, v in w.items() if k != 'kind')}), "
@@ -356,7 +410,10 @@ def report(cfg: dict[str, Any], sat: float, results: list[dict[str, Any]], skipp
                          f"{r['hit_rate']} | {r['max_mean_share']} | {r['errors']} |")
     for name, why in skipped.items():
         lines.append(f"\nSkipped {name}: {why}.")
-    found = verdicts(results, mixed=len(groups(cfg)) > 1) + split_verdicts(results)
+    if ideal is not None:
+        lines.append(f"\nIdeal hit rate (the same prompts in arrival order on one LRU cache as large as the fleet's "
+                     f"KV memory): {ideal:.4f}.")
+    found = verdicts(results, mixed=len(groups(cfg)) > 1) + split_verdicts(results) + trace_verdicts(results, ideal)
     if found:
         lines += ["", "Targets:", ""] + found
     return "\n".join(lines) + "\n"
@@ -470,12 +527,13 @@ def main(argv: list[str] | None = None) -> int:
         results = [kept[name] for name in cfg["routers"] if name in kept]
         skipped = {**{k: v for k, v in earlier.get("skipped", {}).items() if k not in kept}, **skipped}
     made = plots(results, out)
-    text = report(cfg, sat, results, skipped)
+    ideal = trace_reference(cfg, root)
+    text = report(cfg, sat, results, skipped, ideal)
     text += f"\nWall time: {time.monotonic() - started:.0f} s"
     text += f" (adding {', '.join(args.only)} to a stored run).\n" if earlier else ".\n"
     (out / "results.md").write_text(text + "".join(f"\n![{m}]({m})\n" for m in made))
     (out / "results.json").write_text(json.dumps({"config": cfg, "saturation_rps": sat, "results": results,
-                                                  "skipped": skipped}, indent=2))
+                                                  "skipped": skipped, "ideal_hit_rate": ideal}, indent=2))
     if not args.quick and args.out is None:
         rel = out.relative_to(ROOT)
         update_readme(ROOT / "docs" / "benchmarks.md", cfg["name"],

@@ -18,7 +18,10 @@ Workloads, each with the parameters of the tool it comes from, so that results c
 - ``multi-turn``: conversations whose every turn resends the history plus a new message, with a think
   time between a turn's answer and the next turn;
 - ``prefix-repetition`` (vLLM's ``prefix_repetition``): a few prefixes, each prompt one of them plus
-  its own suffix.
+  its own suffix;
+- ``trace``: a production trace replayed (Mooncake's conversation trace by default, ``loadtest/trace.py``):
+  one conversation in ``--trace-sample``, prompts sharing the blocks the trace says they share, arriving at
+  the trace's times scaled to each offered rate.
 
 Lengths are in tokens: of the stand-in replica's byte mode by default (4 bytes per token: three
 letters and a space), of the tiny model's tokenizer with ``--words tiny-model``; against another
@@ -45,7 +48,7 @@ from typing import Any, Iterator
 
 import httpx
 
-from . import vllm_cluster
+from . import trace, vllm_cluster
 from .tiny_model import WORDS
 
 SYLLABLES = [a + b + c + " " for a in "bcdfgklmnprstvz" for b in "aeiou" for c in "bdgklmnprstx"]
@@ -69,6 +72,7 @@ class Turn:
     conversation: int = -1  # turns of one conversation go in order, ``think_s`` after the previous answer
     think_s: float = 0.0
     affinity: int = -1  # what its cache depends on: its group, conversation or prefix (``--pin``)
+    at_s: float = -1.0  # its arrival in a replayed trace (scaled to the offered rate); -1: Poisson arrivals
 
 
 def shared_prefix(groups: int, prompts_per_group: int, system_tokens: int, question_tokens: int,
@@ -98,6 +102,14 @@ def multi_turn(conversations: int, turns: int, system_tokens: int, user_tokens: 
             out.append(Turn(list(history), output_tokens, conversation=c, think_s=think_s, affinity=c))
             history.append({"role": "assistant", "content": words(rng, output_tokens, vocabulary)})
     return out
+
+
+def replay(every: int, limit: int, vocabulary: list[str] = SYLLABLES, path: Path = trace.TRACE) -> list[Turn]:
+    """Mooncake's conversation trace (``loadtest/trace.py``): one conversation in ``every``, the first ``limit``
+    requests, each a chat of one user message of the trace's length and shared blocks, arriving as in the trace."""
+    texts = trace.Texts(vocabulary)
+    return [Turn([{"role": "user", "content": texts.prompt(e)}], max(1, e.output_tokens), affinity=e.conversation,
+                 at_s=e.at_s) for e in trace.sample(trace.read(path), every, limit)]
 
 
 def prefix_repetition(prompts: int, prefixes: int, prefix_tokens: int, suffix_tokens: int, output_tokens: int,
@@ -171,7 +183,14 @@ async def send(client: httpx.AsyncClient, target: str, model: str, turn: Turn, s
 # -- a run at one rate ------------------------------------------------------------------------
 
 
-def arrivals(rate: float, n: int, seed: int) -> Iterator[float]:
+def arrivals(rate: float, n: int, seed: int, turns: list[Turn] | None = None) -> Iterator[float]:
+    """Poisson arrivals at ``rate``; a replayed trace's own arrival times, scaled to ``rate`` on average."""
+    if turns and all(t.at_s >= 0 for t in turns):
+        t0 = turns[0].at_s
+        span = turns[-1].at_s - t0
+        scale = len(turns) / rate / span if span > 0 else 0.0
+        yield from ((t.at_s - t0) * scale for t in turns)
+        return
     rng = random.Random(seed)
     t = 0.0
     for _ in range(n):
@@ -232,7 +251,7 @@ async def run_open(targets: Targets, model: str, turns: list[Turn], rate: float,
         return res
 
     tasks = []
-    for i, (turn, at) in enumerate(zip(turns, arrivals(rate, len(turns), seed))):
+    for i, (turn, at) in enumerate(zip(turns, arrivals(rate, len(turns), seed, turns))):
         before = previous.get(turn.conversation) if turn.conversation >= 0 else None
         task = asyncio.create_task(one(i, turn, at, before))
         if turn.conversation >= 0:
@@ -360,6 +379,8 @@ def build_workload(args: argparse.Namespace) -> list[Turn]:
     if w == "multi-turn":
         return multi_turn(args.conversations, args.turns, args.system_tokens, args.question_tokens,
                           args.output_tokens, args.think_s, args.seed, vocab)
+    if w == "trace":
+        return replay(args.trace_sample, args.requests or 0, vocab, args.trace_file)
     return prefix_repetition(args.requests or 256, args.prefixes, args.system_tokens, args.question_tokens,
                              args.output_tokens, args.seed, vocab)
 
@@ -416,7 +437,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--requests", type=int, help="requests per run (default: the whole workload)")
     p.add_argument("--workload", default="shared-prefix",
-                   choices=["shared-prefix", "generated-shared-prefix", "multi-turn", "prefix-repetition"])
+                   choices=["shared-prefix", "generated-shared-prefix", "multi-turn", "prefix-repetition", "trace"])
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--prompts-per-group", type=int, default=16)
     p.add_argument("--system-tokens", type=int, default=1024, help="system prompt (or prefix) length")
@@ -426,6 +447,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--think-s", type=float, default=1.0, help="multi-turn: pause between an answer and the next turn")
     p.add_argument("--prefixes", type=int, default=8, help="prefix-repetition: distinct prefixes")
+    p.add_argument("--trace-file", type=Path, default=trace.TRACE, help="trace: a Mooncake-format trace (JSON "
+                   "lines, .gz or not; default: Mooncake's conversation trace, loadtest/traces/)")
+    p.add_argument("--trace-sample", type=int, default=10, help="trace: replay one conversation in N")
     p.add_argument("--warmup", type=int, default=0, help="send the workload's first N requests first, 8 at a "
                    "time and one output token each, unmeasured (with shared-prefix, the number of groups warms every "
                    "group's prefix)")

@@ -224,6 +224,14 @@ def shared_tokenizer(root: str) -> LocalTokenizer:
     return LocalTokenizer(root)
 
 
+def _headers_sent(send: Any) -> Any:
+    """``send`` for an answer whose headers went out already: its own ``http.response.start`` is dropped."""
+    async def rest(message: dict[str, Any]) -> None:
+        if message["type"] != "http.response.start":
+            await send(message)
+    return rest
+
+
 class Slots:
     """``max_num_seqs`` requests run at once; the rest wait first come first served or, as vLLM's
     ``--scheduling-policy priority`` orders its waiting requests, by their ``priority`` (lower first), then
@@ -684,9 +692,19 @@ class VLLMSimulator:
                         if t.failure_policy == "fail":
                             self.c.failed += 1
                             return await self._transfer_failed(req, send, str(e))
+                if len(ids) + 1 > len(engine.pool.blocks) * engine.block_size:  # refused: longer than the cache
+                    self.c.failed += 1
+                    return await _json(send, 400, _error(
+                        f"The prompt ({len(ids)} tokens) does not fit in the KV cache", "BadRequestError", "messages"
+                        if chat else "prompt", 400))
                 tokens = self.engine_loop.submit(r)
                 self.c.peak_in_flight = max(self.c.peak_in_flight, len(engine.running) + len(engine.waiting))
-                if not await tokens.get():  # refused: longer than the whole KV cache
+                if req.get("stream"):
+                    # vLLM answers a stream's headers once it has accepted the request, the first event when
+                    # the first token is out (however long the queue before it)
+                    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                    send = _headers_sent(send)
+                if not await tokens.get():  # refused after all (the engine's own check)
                     self.c.failed += 1
                     return await _json(send, 400, _error(
                         f"The prompt ({len(ids)} tokens) does not fit in the KV cache", "BadRequestError", "messages"

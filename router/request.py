@@ -45,6 +45,7 @@ class RouteRequest:
     key: "PromptKey | None" = None
     prompt_tokens: int = 0
     cached: dict[str, int] = field(default_factory=dict)  # predicted cached tokens per replica name
+    best_cached: int = 0  # the most of them on any one replica
     occupancy: dict[str, float] = field(default_factory=dict)  # share of each replica's KV blocks indexed
     index_fallback: bool = False  # the shared index could not answer: the local one did
     returning: dict[str, float] = field(default_factory=dict)  # requests expected back at each replica

@@ -333,6 +333,7 @@ class Decider:
                     matched[name] += cached_tokens(m.blocks, block, n_tokens)
                     held[name] = m.held
             req.cached.update(matched)
+            req.best_cached = max(req.best_cached, max(matched.values(), default=0))
             for v in group:
                 req.occupancy[v.name] = min(1.0, held[v.name] / v.kv_blocks)
         if self.conversations is not None:

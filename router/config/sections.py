@@ -170,7 +170,7 @@ class CacheAwareConfig(_Model):
     kv_threshold: float = Field(0.9, ge=0, lt=1, description="KV cache usage below which the KV term is 0; it "
                                 "grows linearly to kv_weight_s at full usage")
     session_bonus_s: float = Field(0.05, ge=0, description="cost taken off the replica that served the session last")
-    evict_weight: float = Field(1.0, ge=0, description="cost of evicting cached prefixes, per unit of prefill: the "
+    evict_weight: float = Field(3.0, ge=0, description="cost of evicting cached prefixes, per unit of prefill: the "
                                 "uncached tokens that do not fit in the free part of a replica's cache (as the "
                                 "index sees it) count this many times more, since the prefixes they push out will "
                                 "be recomputed later; 0 turns it off")
@@ -185,6 +185,10 @@ class CacheAwareConfig(_Model):
                                     "this many requests in flight there (load term), times the share of answered "
                                     "prompts whose next turn came and grew the history by a whole block; 0 turns "
                                     "it off")
+    recompute_weight: float = Field(3.0, ge=0, description="prompt tokens a replica would compute that another "
+                                    "replica holds cached cost this many times more: computing them again spends "
+                                    "prefill the fleet needs for other prompts (at saturation, throughput) and cache "
+                                    "space; 0 weighs only this request's own time to first token")
     kv_read_cost: float = Field(0.0625, ge=0, le=1, description="the decode replica of a split request reads the "
                                 "prompt's KV it lacks instead of computing it: a token read costs this share of a "
                                 "token computed (1/16, about what a 70B model's 320 KiB per token over a Gaudi 2 "

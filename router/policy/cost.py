@@ -28,6 +28,7 @@ class CostTerms(NamedTuple):
     occupancy_s: float
     session_s: float  # 0, or minus the bonus for the session's last replica
     returning_s: float  # conversations between turns, expected back
+    recompute_s: float  # computing again what another replica holds
 
 
 @register_scorer("predicted-ttft")
@@ -43,6 +44,7 @@ class PredictedTTFTScorer(Scorer):
                    + occupancy_weight_tokens / prefill rate (or occupancy_weight_s)
                      x share of its KV blocks the index holds (if the prompt adds a block)
                    - session_bonus_s if it served this session last
+                   + recompute_weight x (prompt tokens another replica holds cached that it lacks) / prefill rate
     score = 1 / (1 + cost), each term one field of :class:`CostTerms`. Uncached tokens come from the prefix
     index (``req.cached``). Its
     parameters default to the ``cache_aware`` section of the configuration.
@@ -104,7 +106,11 @@ class PredictedTTFTScorer(Scorer):
         session = 0.0
         if req.session_replica is not None and req.session_replica == view.name:
             session = -cfg.session_bonus_s
-        return prefill, shared_step, evict, load, kv, occupied, session, returning
+        recompute = 0.0
+        if cfg.recompute_weight and req.best_cached > req.cached.get(view.name, 0) and req.phase != "decode":
+            # the fleet pays for a prefix computed twice: prefill others wait for, and a second copy in cache
+            recompute = cfg.recompute_weight * (req.best_cached - req.cached.get(view.name, 0)) / view.prefill_rate
+        return prefill, shared_step, evict, load, kv, occupied, session, returning, recompute
 
     def explain(self, req: RouteRequest, view: ReplicaView) -> dict[str, float]:
         terms = self.terms(req, view)

@@ -31,6 +31,7 @@ def req(model="m", exclude=(), session=None, prompt=0, cached=None, occupancy=No
                      exclude=exclude if isinstance(exclude, dict) else dict.fromkeys(exclude, 0))
     r.session_replica = session
     r.prompt_tokens, r.cached, r.occupancy = prompt, dict(cached or {}), dict(occupancy or {})
+    r.best_cached = max(r.cached.values(), default=0)
     r.returning = dict(returning or {})
     return r
 
@@ -145,15 +146,26 @@ def test_a_conversation_waiting_between_turns_weighs_like_a_request_in_flight():
     assert weight(returning_weight=0) == 0
 
 
+def test_computing_again_what_another_replica_holds_costs_recompute_weight_times_its_prefill():
+    r = req(prompt=4096, cached={"holder": 3072, "other": 1024})
+    parts = {n: PredictedTTFTScorer(CacheAwareConfig(recompute_weight=3)).explain(r, view(n, prefill_tokens_per_s=1000))
+             for n in ("holder", "other", "cold")}
+    assert parts["holder"]["recompute_s"] == 0
+    assert parts["other"]["recompute_s"] == pytest.approx(3 * 2.048)  # 2,048 tokens the holder has, 3 times
+    assert parts["cold"]["recompute_s"] == pytest.approx(3 * 3.072)
+    off = PredictedTTFTScorer(CacheAwareConfig(recompute_weight=0)).explain(r, view("other", prefill_tokens_per_s=1000))
+    assert off["recompute_s"] == 0
+
+
 def test_the_cost_is_the_sum_of_the_terms_it_explains():
     v = view("a", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100, inflight=8, pending=300,
              kv_usage=0.95)
-    r = req(prompt=1030, cached={"a": 256}, occupancy={"a": 0.5}, session="a", returning={"a": 2.5})
+    r = req(prompt=1030, cached={"a": 256, "b": 512}, occupancy={"a": 0.5}, session="a", returning={"a": 2.5})
     scorer = PredictedTTFTScorer()
     parts = scorer.explain(r, v)
     terms = {k: x for k, x in parts.items() if k != "cost_s"}
     assert set(terms) == {"prefill_s", "shared_step_s", "evict_s", "load_s", "kv_s", "occupancy_s", "session_s",
-                          "returning_s"}
+                          "returning_s", "recompute_s"}
     assert all(x != 0 for k, x in terms.items() if k != "shared_step_s")  # each term has something to say here
     assert parts["cost_s"] == pytest.approx(sum(terms.values())) == pytest.approx(scorer.cost(r, v))
 
