@@ -121,9 +121,11 @@ def test_a_split_requests_decode_costs_reading_what_it_lacks_a_sixteenth_of_comp
 def test_eviction_cost_counts_only_what_does_not_fit():
     v = view("a", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100)
     r = req(prompt=1030, occupancy={"a": 0.5})  # 64 whole blocks (1024 tokens) stored, 800 tokens free: 224 evict
-    with_evict = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0)).cost(r, v)
+    with_evict = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0, evict_weight=1)).cost(r, v)
     without = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0, evict_weight=0)).cost(r, v)
     assert with_evict - without == pytest.approx(0.224)
+    default = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0)).cost(r, v)
+    assert default - without == pytest.approx(3 * 0.224)  # evict_weight 3: the tokens pushed out, and their return
 
 
 def test_requests_in_flight_cost_the_time_the_replica_takes_to_prefill_load_weight_tokens():
@@ -226,7 +228,7 @@ def test_blocks_of_prompts_still_in_prefill_are_in_use_not_room():
     idle = view("idle", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=32)
     busy = view("busy", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=32, pending=256)
     r = req(prompt=257, occupancy={"idle": 0.5, "busy": 0.5})  # 16 whole blocks to store
-    scorer = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0))
+    scorer = PredictedTTFTScorer(CacheAwareConfig(occupancy_weight_s=0, evict_weight=1))
     assert scorer.cost(r, busy) - scorer.cost(r, idle) == pytest.approx(0.256)  # evicts 256 tokens
 
 
