@@ -692,11 +692,13 @@ class VLLMSimulator:
                         if t.failure_policy == "fail":
                             self.c.failed += 1
                             return await self._transfer_failed(req, send, str(e))
-                if len(ids) + 1 > len(engine.pool.blocks) * engine.block_size:  # refused: longer than the cache
+                async def too_long() -> None:
                     self.c.failed += 1
-                    return await _json(send, 400, _error(
-                        f"The prompt ({len(ids)} tokens) does not fit in the KV cache", "BadRequestError", "messages"
-                        if chat else "prompt", 400))
+                    await _json(send, 400, _error(f"The prompt ({len(ids)} tokens) does not fit in the KV cache",
+                                                  "BadRequestError", "messages" if chat else "prompt", 400))
+
+                if len(ids) + 1 > len(engine.pool.blocks) * engine.block_size:  # refused: longer than the cache
+                    return await too_long()
                 tokens = self.engine_loop.submit(r)
                 self.c.peak_in_flight = max(self.c.peak_in_flight, len(engine.running) + len(engine.waiting))
                 if req.get("stream"):
@@ -705,10 +707,7 @@ class VLLMSimulator:
                     await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                     send = _headers_sent(send)
                 if not await tokens.get():  # refused after all (the engine's own check)
-                    self.c.failed += 1
-                    return await _json(send, 400, _error(
-                        f"The prompt ({len(ids)} tokens) does not fit in the KV cache", "BadRequestError", "messages"
-                        if chat else "prompt", 400))
+                    return await too_long()
                 await self._answer(chat, req, max_tokens, len(ids), r.cached_tokens, send, pace,
                                    finished if r.keep_blocks else None)
         finally:

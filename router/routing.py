@@ -186,7 +186,7 @@ class Decider:
             pending = req.uncached(name)
             if req.index_fallback:
                 reason = "fallback"
-            elif cached > 0 and cached >= max(req.cached.values()):
+            elif cached > 0 and cached >= req.best_cached:
                 reason = "cache"
             else:
                 reason = "load"
@@ -289,7 +289,7 @@ class Decider:
             if req.trace is not None:
                 req.trace.add("kvroute.index_lookup", looked, time.perf_counter(), **{
                     "kvroute.prompt_tokens": req.prompt_tokens, "kvroute.replicas_weighed": len(req.cached),
-                    "kvroute.best_cached_tokens": max(req.cached.values(), default=0),
+                    "kvroute.best_cached_tokens": req.best_cached,
                     "kvroute.index_fallback": req.index_fallback})
         if fresh is not None:
             await fresh

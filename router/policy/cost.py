@@ -107,9 +107,10 @@ class PredictedTTFTScorer(Scorer):
         if req.session_replica is not None and req.session_replica == view.name:
             session = -cfg.session_bonus_s
         recompute = 0.0
-        if cfg.recompute_weight and req.best_cached > req.cached.get(view.name, 0) and req.phase != "decode":
+        held_elsewhere = req.best_cached - req.cached.get(view.name, 0)
+        if cfg.recompute_weight and held_elsewhere > 0 and req.phase != "decode":
             # the fleet pays for a prefix computed twice: prefill others wait for, and a second copy in cache
-            recompute = cfg.recompute_weight * (req.best_cached - req.cached.get(view.name, 0)) / view.prefill_rate
+            recompute = cfg.recompute_weight * held_elsewhere / view.prefill_rate
         return prefill, shared_step, evict, load, kv, occupied, session, returning, recompute
 
     def explain(self, req: RouteRequest, view: ReplicaView) -> dict[str, float]:
