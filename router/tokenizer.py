@@ -12,6 +12,7 @@ optionally, ``tokenizer_config.json`` (``chat_template``, ``bos_token``, ``eos_t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -77,10 +78,8 @@ class LocalTokenizer:
         self.bos_token = self.special_tokens.get("bos_token", "")
         self.eos_token = self.special_tokens.get("eos_token", "")
         if self._sources:
-            try:
-                import jinja2  # noqa: F401
-            except ImportError:
-                raise TokenizerError("a chat template needs the 'jinja2' package: pip install jinja2") from None
+            if importlib.util.find_spec("jinja2") is None:
+                raise TokenizerError("a chat template needs the 'jinja2' package: pip install jinja2")
             for name in self._sources:  # a template that does not compile is found at start, not per request
                 try:
                     self._template(name)

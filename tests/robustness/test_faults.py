@@ -208,7 +208,10 @@ def test_a_redis_cluster_master_killed_under_load_fails_no_request(cluster, figu
     rc = RedisCluster(tmp_path).start()
     cluster.procs.extend(rc.procs)
     sims = [cluster.sim(*PACED) for _ in range(2)]
-    routers = [cluster.router(sims, "--index", rc.url) for _ in range(2)]
+    # a lone Redis answer slower than index.timeout_s is answered locally by design; on this busy 2-core machine
+    # (six Redis processes, two routers, two replicas, sixteen clients) the default 50 ms is missed now and then,
+    # which is not what this test is about: whether lookups go back to Redis once the slot has a master again
+    routers = [cluster.router(sims, "--index", rc.url, "--set", "index.timeout_s=0.25") for _ in range(2)]
     index_slot = slot("{tiny}")  # every index key of the model "tiny" (router.store.layout)
     victim = next(port for port, ranges in rc.masters().items() if any(a <= index_slot <= b for a, b in ranges))
     with Load(routers[0].url, clients=8, max_tokens=8) as a, Load(routers[1].url, clients=8, max_tokens=8) as b:
@@ -229,8 +232,7 @@ def test_a_redis_cluster_master_killed_under_load_fails_no_request(cluster, figu
             "while_down": a.summary(since=down, until=down + promoted)})
     assert sa["failed"] == 0 and sb["failed"] == 0, (sa, sb)
     assert fallback_after > 0  # routed on the local index while the slot had no master
-    # and on the promoted replica again once it had one: still in the fallback, every lookup would count; a
-    # lone answer slower than index.timeout_s (50 ms) on this busy 2-core machine is answered locally by design
+    # and on the promoted replica again once it had one: still in the fallback, every lookup would count
     sent_back = a.summary(since=back, until=back_until)["requests"]
     assert sent_back > 0 and fallback_later - fallback_after <= 0.02 * sent_back, \
         (fallback_after, fallback_later, sent_back)
