@@ -7,6 +7,12 @@ blocks (``hash_ids``: two requests whose first k ids agree share their first k x
 12,000 tokens (median 6,900, up to 126,000); a conversation's next turn comes minutes after the last one
 (median two), in bursts of requests arriving together.
 
+Mooncake hashed a prompt's last, partial block on its own: the next turn of a conversation, which resends the
+whole prompt, shows another id at that position (3,825 of the 3,947 next turns that hold every whole block of
+the turn before). ``read`` gives that partial block the id of the block the conversation's next turn has there
+(that turn's text begins with it), so a replayed turn resends its predecessor whole, as a chat client does;
+otherwise up to 511 tokens a turn would be new that are not, and no turn would hold the end of the one before.
+
 Replayed here as chats of one user message: block id ``h`` is 512 words of the tiny model's vocabulary drawn
 from a generator seeded with ``h`` (one token each), the last block cut to the request's length, so requests
 share exactly the prefixes the trace says they share. ``sample`` keeps one conversation in ``sample`` (by
@@ -48,6 +54,7 @@ class Entry:
 
 
 def read(path: Path = TRACE) -> list[Entry]:
+    """The trace's requests in arrival order, each turn's partial last block carried by its next turn (``resent``)."""
     opener = gzip.open if path.suffix == ".gz" else open
     out = []
     with opener(path, "rt") as f:
@@ -56,6 +63,24 @@ def read(path: Path = TRACE) -> list[Entry]:
                 r = json.loads(line)
                 out.append(Entry(r["timestamp"] / 1e3, int(r["input_length"]), int(r["output_length"]),
                                  tuple(r["hash_ids"])))
+    return resent(out)
+
+
+def resent(entries: Sequence[Entry]) -> list[Entry]:
+    """``entries`` (in arrival order) with a request's partial last block given the id that the next request of
+    its conversation has at that position, where that request holds every whole block of it (and goes on past
+    it): the text that next turn resends. Later turns first, so a chain of such turns carries one id."""
+    out = list(entries)
+    after: dict[int, Entry] = {}  # conversation -> its next request (already carried)
+    for i in range(len(out) - 1, -1, -1):
+        e = out[i]
+        nxt = after.get(e.conversation) if e.conversation >= 0 else None
+        whole = e.input_tokens // TRACE_BLOCK
+        if (nxt is not None and whole < len(e.hash_ids) and len(nxt.hash_ids) > whole
+                and nxt.hash_ids[:whole] == e.hash_ids[:whole] and nxt.hash_ids[whole] != e.hash_ids[whole]):
+            e = out[i] = Entry(e.at_s, e.input_tokens, e.output_tokens, e.hash_ids[:whole] + (nxt.hash_ids[whole],))
+        if e.conversation >= 0:
+            after[e.conversation] = e
     return out
 
 
