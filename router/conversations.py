@@ -17,7 +17,13 @@ not): one-shot prompts never come back, and the prompts of a group under one sys
 the same last whole block (the question fits in the block after it) without growing it; the cache term
 already draws those to their prefix.
 
-Only hashes are kept, never text; the table is bounded (``max_tracked``, oldest out). Each router process
+Apart from the table, the tails of prompts *routed* in the last ``window_s`` (answered or not) are kept too:
+a prompt holding one of them (:meth:`Conversations.extends`) shares its history with an earlier prompt of its
+own (a later turn, asked while the last one may still be streaming; a document asked about again), not just
+a prefix that many prompts share (a system prompt, where every replica computing a copy once is how load
+spreads). Only the first tells the cost that computing it elsewhere is computing it twice.
+
+Only hashes are kept, never text; the tables are bounded (``max_tracked``, oldest out). Each router process
 (each worker) sees the requests it routes; with ``journal`` it also keeps what changed, for
 :mod:`router.shared_conversations` to tell the other routers, and hears what they answered and continued.
 """
@@ -67,6 +73,7 @@ class Conversations:
         self._grew = 0.0  # tails whose next turn grew the history (decayed)
         self._ended = 0.0  # tails that ended, or came back without growing (decayed)
         self._journal: deque[Change] | None = deque(maxlen=JOURNAL_MAX) if journal else None
+        self._routed: OrderedDict[int, float] = OrderedDict()  # tail of a routed prompt -> routed at, oldest first
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -92,6 +99,27 @@ class Conversations:
                 if got is not None:
                     return Continuation(h, got[0], back > 0)
         return None
+
+    def extends(self, chains: Iterable[Sequence[int]]) -> bool:
+        """Whether a prompt holds the tail of a prompt routed in the last ``window_s`` (answered or not)."""
+        routed = self._routed
+        if not routed:
+            return False
+        horizon = self._clock() - self.window_s
+        while routed and next(iter(routed.values())) < horizon:
+            routed.popitem(last=False)
+        keys = routed.keys()
+        return any(not keys.isdisjoint(chain[-SCAN_BLOCKS:]) for chain in chains)
+
+    def routed(self, tails: Iterable[int]) -> None:
+        """Prompts ending in ``tails`` were routed now (their own chains are searched before this is told)."""
+        routed = self._routed
+        now = self._clock()
+        for tail in tails:
+            routed.pop(tail, None)
+            routed[tail] = now
+        while len(routed) > self.max_tracked:
+            routed.popitem(last=False)
 
     def expected(self, own: str | None = None, among: Iterable[str] | None = None) -> dict[str, float]:
         """Per replica, the requests its waiting conversations are expected to send (``own``: the replica

@@ -560,8 +560,9 @@ class Forwarder:
                                                     if call.ttfb is not None else {})})
         decision: dict[str, Any] = {}
         if ticket is not None and ticket.reason is not None:
+            # the most any replica held beside what this one held: why a "load" decision left the best prefix
             decision = {"prompt_tokens": call.route.prompt_tokens, "cached_tokens": ticket.cached_tokens,
-                        "decision": ticket.reason}
+                        "best_cached_tokens": ticket.req.best_cached, "decision": ticket.reason}
         if call.prefill_replica is not None:
             decision["prefill_replica"] = call.prefill_replica
         log.info("%s %s -> %s %d %s", call.path, call.model, call.replica, call.status, call.outcome,

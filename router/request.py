@@ -50,6 +50,8 @@ class RouteRequest:
     index_fallback: bool = False  # the shared index could not answer: the local one did
     returning: dict[str, float] = field(default_factory=dict)  # requests expected back at each replica
     continues: Continuation | None = None  # the answered prompt's tail it holds, if one waits
+    # it holds the tail of a prompt routed before it (router.conversations): what it shares is its own history
+    extends_earlier: bool = False
     session_replica: str | None = None
     candidates: tuple[str, ...] | None = None  # the replicas its decision weighs (None: every replica)
     # whole; or, split between two replicas (router.disaggregation), its prefill or its decode; or local: whole, on

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Sequence
 
 from . import errors
 from .admission import Admission
@@ -193,6 +194,7 @@ class Decider:
             chains = key.chains(view.block_size)
             if self.conversations is not None:
                 tails = [chain[-1] for chain in chains if chain]
+                self.conversations.routed(tails)
                 if req.continues is not None:  # it left the table: a retry elsewhere does not resume it again
                     self.conversations.resume(req.continues)
                     req.continues = None
@@ -310,7 +312,7 @@ class Decider:
             blocks = self.candidates.block_sizes(model)
             chains = [c for block in blocks for c in key.chains(block)]
             if self.conversations is not None:
-                req.continues = self.conversations.find(chains)
+                self._history(req, chains)
             also = (req.session_replica, req.continues.replica if req.continues else None)
             weighed = await self.candidates.select(model, chains, also)
             if weighed is not None:
@@ -338,10 +340,17 @@ class Decider:
                 req.occupancy[v.name] = min(1.0, held[v.name] / v.kv_blocks)
         if self.conversations is not None:
             if req.candidates is None:
-                req.continues = self.conversations.find(c for block in by_block for c in key.chains(block))
+                self._history(req, [c for block in by_block for c in key.chains(block)])
             req.returning = self.conversations.expected(req.continues.replica if req.continues else None,
                                                         req.candidates)
         self._m_lookup.observe(time.perf_counter() - started)
+
+    def _history(self, req: RouteRequest, chains: list[Sequence[int]]) -> None:
+        """The conversation waiting between turns that ``req`` continues, if any, and whether it holds the end of
+        any prompt routed before it (its own history, which the cost prices as such)."""
+        assert self.conversations is not None
+        req.continues = self.conversations.find(chains)
+        req.extends_earlier = req.continues is not None or self.conversations.extends(chains)
 
     def _unroutable(self, req: RouteRequest, e: NoCandidate) -> GatewayError:
         if e.why == "unknown_model":

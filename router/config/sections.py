@@ -185,10 +185,13 @@ class CacheAwareConfig(_Model):
                                     "this many requests in flight there (load term), times the share of answered "
                                     "prompts whose next turn came and grew the history by a whole block; 0 turns "
                                     "it off")
-    recompute_weight: float = Field(3.0, ge=0, description="prompt tokens a replica would compute that another "
-                                    "replica holds cached cost this many times more: computing them again spends "
-                                    "prefill the fleet needs for other prompts (at saturation, throughput) and cache "
-                                    "space; 0 weighs only this request's own time to first token")
+    recompute_weight: float = Field(10.0, ge=0, description="prompt tokens a replica would compute that another "
+                                    "replica holds cached cost this many times more, where the prompt holds the end "
+                                    "of an earlier prompt (its own history: a conversation's next turn): computing "
+                                    "them again spends prefill the fleet needs for other prompts (at saturation, "
+                                    "throughput) and cache space. A prefix many prompts share (a system prompt) is not "
+                                    "priced so: a copy on each replica is how they spread. 0 weighs only this "
+                                    "request's own time to first token")
     kv_read_cost: float = Field(0.0625, ge=0, le=1, description="the decode replica of a split request reads the "
                                 "prompt's KV it lacks instead of computing it: a token read costs this share of a "
                                 "token computed (1/16, about what a 70B model's 320 KiB per token over a Gaudi 2 "
@@ -200,8 +203,11 @@ class ConversationsConfig(_Model):
     """Conversations between turns (see docs/routing.md)."""
 
     window_s: float = Field(60.0, gt=0, description="an answered prompt's conversation counts as waiting at its replica "
-                            "this long, unless its next turn comes first")
-    max_tracked: int = Field(100_000, ge=1, description="waiting conversations this router keeps (oldest out)")
+                            "this long, unless its next turn comes first; and a routed prompt's end is kept this long, "
+                            "so that a prompt holding it is known as its history's next turn (cache_aware."
+                            "recompute_weight)")
+    max_tracked: int = Field(100_000, ge=1, description="waiting conversations this router keeps (oldest out), and "
+                             "as many routed prompts' ends")
 
 
 class SessionConfig(_Model):
@@ -287,9 +293,9 @@ class PredictionConfig(_Model):
     """The predicted time to first token against the measured one (see docs/routing.md#predicted-times)."""
 
     correct: bool = Field(True, description="predict each replica's times to first token on a line fitted to its "
-                          "measured ones (a fixed part, and the model's prefill by a slope), and weigh its prefill "
-                          "by that slope: a replica the model prices too cheap or too dear is routed to as it "
-                          "answers; false only measures")
+                          "measured ones (a fixed part, and the model's prefill by a slope): latency targets and "
+                          "queue waits use these corrected times, the cost weighs the model's prefill as it is; "
+                          "false only measures")
     window: int = Field(200, ge=2, le=100_000, description="streamed answers the fitted line and the reported error "
                         "average over, about (per replica, and per kind of replica)")
     min_samples: int = Field(20, ge=1, le=100_000, description="streamed answers a replica gives before its own line "

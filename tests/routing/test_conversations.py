@@ -147,6 +147,29 @@ def test_the_table_is_bounded():
     assert c.find([[0]]) is None and c.find([[999]]) == Continuation(999, "a", grows=False)
 
 
+def test_a_prompt_holding_the_tail_of_one_routed_before_it_extends_it_even_before_that_one_is_answered():
+    c = Conversations()
+    c.routed([3])
+    assert c.extends([chain(1, 2, 3, 4)]) and c.find([chain(1, 2, 3, 4)]) is None  # nothing waits yet
+    assert c.waiting() == {}
+
+
+def test_a_prompt_sharing_only_a_prefix_with_earlier_ones_extends_none_of_them():
+    c = Conversations()
+    c.routed([3])  # a prompt 1, 2, 3 under the system prompt 1, 2
+    assert not c.extends([chain(1, 2, 7, 8)])
+
+
+def test_routed_tails_are_forgotten_after_the_window_and_bounded():
+    clock = Clock()
+    c = Conversations(window_s=60, max_tracked=100, clock=clock)
+    c.routed([3])
+    clock.now += 61
+    assert not c.extends([chain(1, 2, 3, 4)])
+    c.routed(range(1000))
+    assert not c.extends([[0]]) and c.extends([[999]])
+
+
 def test_a_replica_that_leaves_takes_its_conversations_with_it():
     c = Conversations()
     c.answered("a", [1, 2])

@@ -26,13 +26,14 @@ def view(name, inflight=0, ready=True, models=("m",), drained=False, pending=0, 
                        external_load=external, inflight=inflight, pending_prefill=pending)
 
 
-def req(model="m", exclude=(), session=None, prompt=0, cached=None, occupancy=None, returning=None):
+def req(model="m", exclude=(), session=None, prompt=0, cached=None, occupancy=None, returning=None, extends=True):
     r = RouteRequest(model=model, request_id="r", endpoint="/v1/completions",
                      exclude=exclude if isinstance(exclude, dict) else dict.fromkeys(exclude, 0))
     r.session_replica = session
     r.prompt_tokens, r.cached, r.occupancy = prompt, dict(cached or {}), dict(occupancy or {})
     r.best_cached = max(r.cached.values(), default=0)
     r.returning = dict(returning or {})
+    r.extends_earlier = extends
     return r
 
 
@@ -157,6 +158,14 @@ def test_computing_again_what_another_replica_holds_costs_recompute_weight_times
     assert parts["cold"]["recompute_s"] == pytest.approx(3 * 3.072)
     off = PredictedTTFTScorer(CacheAwareConfig(recompute_weight=0)).explain(r, view("other", prefill_tokens_per_s=1000))
     assert off["recompute_s"] == 0
+
+
+def test_a_prefix_many_prompts_share_costs_nothing_to_compute_again_on_another_replica():
+    # a prompt that holds no earlier prompt's end: what another replica holds is a shared system prompt, and a
+    # copy of it on each replica is how the prompts under it spread
+    r = req(prompt=4096, cached={"holder": 3072, "other": 1024}, extends=False)
+    scorer = PredictedTTFTScorer(CacheAwareConfig(recompute_weight=3))
+    assert scorer.explain(r, view("other", prefill_tokens_per_s=1000))["recompute_s"] == 0
 
 
 def test_the_cost_is_the_sum_of_the_terms_it_explains():
