@@ -26,7 +26,7 @@ def view(name, inflight=0, ready=True, models=("m",), drained=False, pending=0, 
                        external_load=external, inflight=inflight, pending_prefill=pending)
 
 
-def req(model="m", exclude=(), session=None, prompt=0, cached=None, occupancy=None, returning=None, extends=True):
+def req(model="m", exclude=(), session=None, prompt=0, cached=None, occupancy=None, returning=None, extends=False):
     r = RouteRequest(model=model, request_id="r", endpoint="/v1/completions",
                      exclude=exclude if isinstance(exclude, dict) else dict.fromkeys(exclude, 0))
     r.session_replica = session
@@ -150,7 +150,7 @@ def test_a_conversation_waiting_between_turns_weighs_like_a_request_in_flight():
 
 
 def test_computing_again_what_another_replica_holds_costs_recompute_weight_times_its_prefill():
-    r = req(prompt=4096, cached={"holder": 3072, "other": 1024})
+    r = req(prompt=4096, cached={"holder": 3072, "other": 1024}, extends=True)  # its own history
     parts = {n: PredictedTTFTScorer(CacheAwareConfig(recompute_weight=3)).explain(r, view(n, prefill_tokens_per_s=1000))
              for n in ("holder", "other", "cold")}
     assert parts["holder"]["recompute_s"] == 0
@@ -163,7 +163,7 @@ def test_computing_again_what_another_replica_holds_costs_recompute_weight_times
 def test_a_prefix_many_prompts_share_costs_nothing_to_compute_again_on_another_replica():
     # a prompt that holds no earlier prompt's end: what another replica holds is a shared system prompt, and a
     # copy of it on each replica is how the prompts under it spread
-    r = req(prompt=4096, cached={"holder": 3072, "other": 1024}, extends=False)
+    r = req(prompt=4096, cached={"holder": 3072, "other": 1024})
     scorer = PredictedTTFTScorer(CacheAwareConfig(recompute_weight=3))
     assert scorer.explain(r, view("other", prefill_tokens_per_s=1000))["recompute_s"] == 0
 
@@ -171,7 +171,8 @@ def test_a_prefix_many_prompts_share_costs_nothing_to_compute_again_on_another_r
 def test_the_cost_is_the_sum_of_the_terms_it_explains():
     v = view("a", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100, inflight=8, pending=300,
              kv_usage=0.95)
-    r = req(prompt=1030, cached={"a": 256, "b": 512}, occupancy={"a": 0.5}, session="a", returning={"a": 2.5})
+    r = req(prompt=1030, cached={"a": 256, "b": 512}, occupancy={"a": 0.5}, session="a", returning={"a": 2.5},
+            extends=True)
     scorer = PredictedTTFTScorer()
     parts = scorer.explain(r, v)
     terms = {k: x for k, x in parts.items() if k != "cost_s"}
@@ -325,9 +326,9 @@ def test_round_robin_keeps_a_session_on_its_replica():
     assert {policy.choose(req(session="c"), views)[0].name for _ in range(6)} == {"c"}
 
 
-def choose_cache_aware(views, prompt_tokens, cached, occupancy):
-    return build_policy("cache-aware").choose(req(prompt=prompt_tokens, cached=cached, occupancy=occupancy),
-                                              views)[0].name
+def choose_cache_aware(views, prompt_tokens, cached, occupancy, extends=False):
+    return build_policy("cache-aware").choose(req(prompt=prompt_tokens, cached=cached, occupancy=occupancy,
+                                                  extends=extends), views)[0].name
 
 
 def full_and_empty():
@@ -340,8 +341,9 @@ def test_a_small_shared_prefix_does_not_pull_a_new_prompt_onto_a_full_replica():
     assert choose_cache_aware(full_and_empty(), 1024, {"full": 256, "empty": 0}, {"full": 1.0, "empty": 0.0}) == "empty"
 
 
-def test_a_mostly_cached_prompt_stays_on_its_full_replica():
-    assert choose_cache_aware(full_and_empty(), 1024, {"full": 768, "empty": 0}, {"full": 1.0, "empty": 0.0}) == "full"
+def test_a_conversations_mostly_cached_next_turn_stays_on_its_full_replica():
+    assert choose_cache_aware(full_and_empty(), 1024, {"full": 768, "empty": 0}, {"full": 1.0, "empty": 0.0},
+                              extends=True) == "full"
 
 
 def test_a_prompt_shorter_than_a_block_spreads_by_load_whatever_the_caches_hold():
