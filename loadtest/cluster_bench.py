@@ -338,7 +338,8 @@ def trace_reference(cfg: dict[str, Any], root: Path) -> float | None:
 
     from . import trace
     tok = LocalTokenizer(str(root))
-    entries = trace.sample(trace.read(), int(w.get("trace_sample", load.parser().get_default("trace_sample"))), int(cfg["requests_per_rate"]))
+    every = int(w.get("trace_sample", load.parser().get_default("trace_sample")))
+    entries = trace.sample(trace.read(), every, int(cfg["requests_per_rate"]))
     gs = groups(cfg)
     capacity = sum(int(g["replicas"]) * int(g.get("num_gpu_blocks") or PROFILES[g["profile"]].num_gpu_blocks)
                    for g in gs)
