@@ -57,8 +57,11 @@ class Call:
     method: bytes = b"POST"
     attempt_span: int = 0  # the span id of the attempt going out, when traced (its traceparent)
     # split into a prefill and a decode (router.disaggregation): the replica that prefilled it, and the body
-    # sent for its decode (the client's, with the prefill's transfer parameters); None: prefill (again) first
+    # sent for its decode (the client's, with the prefill's transfer parameters); None: prefill (again) first;
+    # the prefill's predicted cached tokens there and its time (request sent to answer read)
     prefill_replica: str | None = None
+    prefill_cached_tokens: int | None = None
+    prefill_s: float | None = None
     decode_body: bytes | None = None
     # what it used, for its tenant (router.tenants): usage.completion_tokens where the answer said, and the
     # stream's data events (about one token each) where it did not

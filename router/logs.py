@@ -20,7 +20,8 @@ from typing import TextIO
 
 # attributes the gateway passes with ``extra=`` that belong in every line that has them
 _FIELDS = ("request_id", "replica", "model", "status", "outcome", "attempts", "ttfb_ms", "upstream_ttfb_ms", "duration_ms",
-           "stream", "prompt_tokens", "cached_tokens", "best_cached_tokens", "decision")
+           "stream", "prompt_tokens", "cached_tokens", "best_cached_tokens", "decision", "prefill_replica",
+           "prefill_cached_tokens", "prefill_ms")
 _BATCH = 512  # most lines written at once
 _PAUSE_S = 0.02  # the writer's rest after each write: it wakes at most 50 times a second, not once per line
 

@@ -412,6 +412,7 @@ class Forwarder:
                     break  # no prefill replica (left) to try
                 tries += 1
                 began = self._attempt_span(call)
+                sent = time.perf_counter()
                 try:
                     failure, answer = await self._prefill_attempt(call, ticket, body)
                 except BaseException:  # the client left: the replica's request was closed, which aborts it
@@ -425,6 +426,8 @@ class Forwarder:
                     ticket.finish(200)
                     params = transfer_params(answer)
                     call.prefill_replica = ticket.name
+                    call.prefill_cached_tokens = ticket.cached_tokens if ticket.reason is not None else None
+                    call.prefill_s = time.perf_counter() - sent
                     if params is not None:  # its decode, where that KV can be read
                         req.platforms = self.splitter.readers(ticket.replica.config.platform)
                     outcome = "split" if params is not None else "no_transfer_params"
@@ -563,8 +566,10 @@ class Forwarder:
             # the most any replica held beside what this one held: why a "load" decision left the best prefix
             decision = {"prompt_tokens": call.route.prompt_tokens, "cached_tokens": ticket.cached_tokens,
                         "best_cached_tokens": ticket.req.best_cached, "decision": ticket.reason}
-        if call.prefill_replica is not None:
+        if call.prefill_replica is not None:  # split: where its prompt was computed, and how long that took
             decision["prefill_replica"] = call.prefill_replica
+            decision["prefill_cached_tokens"] = call.prefill_cached_tokens
+            decision["prefill_ms"] = None if call.prefill_s is None else round(call.prefill_s * 1e3, 2)
         log.info("%s %s -> %s %d %s", call.path, call.model, call.replica, call.status, call.outcome,
                  extra={"request_id": call.request_id, "replica": call.replica, "model": call.model,
                         "status": call.status, "outcome": call.outcome, "attempts": call.attempts,

@@ -1,6 +1,7 @@
 """Disaggregated prefill and decode: a request is split into a prefill on a replica of role prefill and a decode on
 one of role decode, over vLLM's kv_transfer_params protocol, and only where that pays."""
 
+import json
 import os
 import signal
 import threading
@@ -10,6 +11,7 @@ import httpx
 import pytest
 
 from tests.support.processes import FAST
+from tests.support.waiting import wait_until
 
 NIXL = ("--kv-connector", "NixlConnector", *FAST)
 LONG = "the quick brown fox jumps over the lazy dog " * 200  # 8,800 bytes: ~2,200 tokens in byte mode
@@ -64,6 +66,27 @@ def test_the_prefill_replica_gets_one_token_for_a_remote_decode_and_the_decode_r
     assert decode["kv_transfer"]["received_tokens"] == r.json()["usage"]["prompt_tokens"]
     assert r.json()["usage"]["completion_tokens"] == 6 and "kv_transfer_params" in r.json()
     assert outcomes(router) == {"split": 1.0}
+
+
+def test_the_request_log_names_the_prefill_replica_and_how_long_the_prefill_took(cluster):
+    replicas = [cluster.sim(*NIXL), cluster.sim(*NIXL)]
+    router = cluster.router([], "--log-json", config={"replicas": [
+        {"name": "prefill0", "url": replicas[0].url, "role": "prefill"},
+        {"name": "decode1", "url": replicas[1].url, "role": "decode"}]})
+    r = complete(router)
+    assert r.status_code == 200
+    rid = r.headers["x-request-id"]
+
+    def line() -> dict | None:
+        for text in router.log_tail(200_000).splitlines():
+            if text.startswith("{") and f'"request_id":"{rid}"' in text and '"decision"' in text:
+                return json.loads(text)
+        return None
+
+    wait_until(lambda: line() is not None, timeout=5)
+    logged = line()
+    assert logged["replica"] == "decode1" and logged["prefill_replica"] == "prefill0"
+    assert logged["prefill_cached_tokens"] == 0 and 0 < logged["prefill_ms"] <= logged["ttfb_ms"]
 
 
 def test_a_streamed_request_streams_the_decode_replicas_answer(cluster):
