@@ -115,3 +115,26 @@ def test_short_texts_are_checked_for_their_first_32_encodes(tok):
         text = words(50, seed)
         check(text, False, whole(tok, text, False))
     assert check.checked == 32
+
+
+def test_after_the_first_checks_texts_encoded_whole_are_checked_one_in_256(tok):
+    check = incremental.WholeCheck(tok._tok, "tiny", "testing")
+    text = words(50, 1)
+    ids = whole(tok, text, False)
+    for _ in range(32 + 512):
+        check(text, False, ids)
+    assert check.checked == 32 + 2
+
+
+def test_a_text_mostly_reused_is_checked_as_many_times_less_often_as_it_encoded_less_of_itself(tok):
+    check = incremental.WholeCheck(tok._tok, "tiny", "testing")
+    text = words(50, 2)
+    text = text[:len(text) - len(text) % 4]
+    ids = whole(tok, text, False)
+    for _ in range(32):
+        check(text, False, ids)
+    for _ in range(4 * 256 - 1):  # each encode computed a quarter of its text: one check per 1,024
+        check(text, False, ids, encoded=len(text) // 4)
+    assert check.checked == 32
+    check(text, False, ids, encoded=len(text) // 4)
+    assert check.checked == 33
