@@ -117,8 +117,10 @@ class KvEventsConfig(_Model):
                                      "chosen replica this long unless its events confirm them first")
     slow_medium_weight: float = Field(0.5, ge=0, le=1, description="how much a block held only on a slower medium "
                                       "(vLLM's CPU offload) counts as cached, against 1 on the device")
-    silence_s: float = Field(10.0, gt=0, description="a replica that served requests but sent no event batch for this "
-                             "long is reconnected to")
+    silence_s: float = Field(10.0, gt=0, description="a replica that computed new KV blocks (its /metrics: more than a "
+                             "block of prompt tokens per request) over two such silences in a row, yet sent no event "
+                             "batch, is reconnected to; one serving only prompts it holds whole publishes nothing "
+                             "and is left alone")
     replay_timeout_s: float = Field(2.0, gt=0, description="longest wait for each answer of a replay request")
     lease_s: float = Field(5.0, gt=0, description="with a Redis index, one router consumes each replica's events "
                            "under a lease this long, renewed at a third of it; another takes over within two")

@@ -46,6 +46,8 @@ log = logging.getLogger("kvroute.kv_events")
 _DISCOVER_RETRY_S = 5.0
 _SETTLE_S = 30.0  # longest wait for a replica's tokenizers to be looked for
 _LAGS = 1024  # lag samples kept per replica for /admin
+# the /metrics series (ReplicaStats fields) that tell whether a replica computed KV blocks
+_COMPUTED = frozenset({"prefix_queries", "prefix_hits"})  # and requests prefilled, or else ended
 
 
 class LeaseLost(Exception):
@@ -67,7 +69,6 @@ class ReplicaFeed:
         self.lags: deque[float] = deque(maxlen=_LAGS)
         self.events: dict[str, int] = {}
         self.blocks: dict[str, int] = {}
-        self.served_seen: tuple[int, float] = (0, 0.0)
         self.block_size_warned = False
 
     def describe(self) -> dict[str, Any]:
@@ -323,8 +324,10 @@ class EventFeed:
     def _subscriber(self, f: ReplicaFeed, ep: Endpoints) -> Subscriber:
         assert self._ctx is not None
         r = f.replica
+        busy = [False]  # whether it computed blocks over the silence before
 
         async def sink(batch: Batch) -> None:
+            busy[0] = False  # it publishes: a silence before this batch counts no more
             await self._apply(f, ep.rank, batch)
 
         async def reset(kind: Reset) -> None:
@@ -336,13 +339,41 @@ class EventFeed:
             else:
                 await self.index.rebuild(f.name, models)
 
-        def active() -> bool:
-            """The replica served requests since the last check: this router's or anyone's (its /metrics)."""
+        def look() -> tuple[str, float, float]:
             stats = r.stats
-            seen = (self.index.decisions(f.name), stats.prefix_queries if stats is not None else 0.0)
-            busy = seen != f.served_seen
-            f.served_seen = seen
-            return busy
+            if stats is not None and _COMPUTED <= stats.seen:
+                if "prefill_requests" in stats.seen:
+                    return "computed", stats.prefix_queries - stats.prefix_hits, stats.prefill_requests
+                if "finished" in stats.seen:  # requests that ended, where the prefilled are not counted
+                    return "computed", stats.prefix_queries - stats.prefix_hits, stats.finished
+            return "served", self.index.decisions(f.name), stats.prefix_queries if stats is not None else 0.0
+
+        def computed() -> bool:
+            """The replica computed KV blocks since the last look, so it should have published some. By its
+            /metrics: more than a block of prompt tokens computed per request prefilled (or ended), on average (a
+            request's computed part begins at a block boundary, so one of them filled a new block). Requests that
+            find all but a partial last block cached store none, and a replica serving only those is quiet, not
+            silent. Without those series: any request routed there by this router or another."""
+            seen = look()
+            before, last[0] = last[0], seen
+            if before[0] != seen[0]:
+                return seen[0] == "served"  # no figure to compare yet (its metrics just came)
+            if seen[0] == "served":
+                return seen != before
+            tokens, requests = seen[1] - before[1], seen[2] - before[2]
+            if tokens < 0 or requests < 0:
+                return True  # its counters started over: a new process, maybe publishing elsewhere now
+            return requests > 0 and tokens > requests * r.block_size
+
+        def active() -> bool:
+            """It computed blocks over two silences in a row: a scrape can show blocks computed just before the
+            last batch after it, and counted once, the end of every replayed trace reconnected its feeds with a
+            warning (a feed that delivers a batch starts the count again)."""
+            now = computed()
+            before, busy[0] = busy[0], now
+            return now and before
+
+        last = [look()]  # this source's last look: from when it is read
 
         def note(kind: str) -> None:
             self.metrics.child(self.metrics.kv_event_recoveries, f.name, kind).inc()

@@ -11,7 +11,7 @@ It hands each batch to its sink exactly once and in sequence order:
 - a number not past the last one is a duplicate (an already applied batch: same or older
   timestamp) or a restart of the publisher (numbers start at 0 in every process): the sink is told
   to ``restart``, and the new process's batches are asked for from 0;
-- when no batch came for ``silence_s`` while the replica was serving requests, the sockets are
+- when no batch came for ``silence_s`` while the replica should have published (``active``), the sockets are
   reopened (a publisher that restarted on another port, a connection a network device dropped).
 
 Every wait has a limit; undecodable messages are counted and skipped.
@@ -71,7 +71,7 @@ class Subscriber:
         self.endpoints = endpoints
         self.sink = sink
         self.reset = reset
-        self.active = active  # the replica served requests since the last batch
+        self.active = active  # whether the replica should have published since the last batch (see feed)
         self.silence_s = silence_s
         self.replay_timeout_s = replay_timeout_s
         self.stats = SourceStats()
@@ -105,26 +105,27 @@ class Subscriber:
                 self.stats.connected = True
                 await self._catch_up()
                 self.stats.caught_up = True
-                await self._read(sub)
+                silent = await self._read(sub)
             finally:
                 self.stats.connected = False
                 sub.close(linger=0)
             self.stats.reconnects += 1
             self._note("reconnect")
-            log.warning("KV events of replica %s: no batch for %.0f s while it served requests; reconnecting to %s",
-                        self.replica, self.silence_s, self.endpoints.live, extra={"replica": self.replica})
+            log.warning("KV events of replica %s: no batch for %.0f s while it computed new blocks; reconnecting to %s",
+                        self.replica, silent, self.endpoints.live, extra={"replica": self.replica})
 
-    async def _read(self, sub: zmq.asyncio.Socket) -> None:
-        """Returns when the source fell silent while the replica was busy."""
-        idle_since = time.monotonic()
+    async def _read(self, sub: zmq.asyncio.Socket) -> float:
+        """Returns when the source fell silent while the replica was busy: the seconds since its last batch."""
+        idle_since = last_batch = time.monotonic()
         while True:
             if not await sub.poll(timeout=1000 * min(1.0, self.silence_s)):
-                if time.monotonic() - idle_since >= self.silence_s:
+                now = time.monotonic()
+                if now - idle_since >= self.silence_s:
                     if self.active():
-                        return
-                    idle_since = time.monotonic()
+                        return now - last_batch
+                    idle_since = now
                 continue
-            idle_since = time.monotonic()
+            idle_since = last_batch = time.monotonic()
             for _ in range(_DRAIN):  # take what is queued before yielding
                 try:
                     frames = sub.recv_multipart(flags=zmq.NOBLOCK)

@@ -23,6 +23,7 @@ _SUMMED = {
     "vllm:generation_tokens_total": "generation_tokens",
     "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
     "vllm:request_prefill_time_seconds_count": "prefill_requests",
+    "vllm:request_success_total": "finished",  # every finished_reason: requests ended, however
 }
 _MAXED = {
     "vllm:kv_cache_usage_perc": "kv_usage",
@@ -51,6 +52,7 @@ class ReplicaStats:
     prompt_tokens: float = 0.0  # counters since the replica started: prompt tokens (cached or not),
     prefill_seconds: float = 0.0  # ... time requests spent in prefill, summed, and how many requests
     prefill_requests: float = 0.0
+    finished: float = 0.0  # counter: requests that ended (any reason)
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     start_time: float | None = None

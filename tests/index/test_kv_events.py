@@ -207,11 +207,31 @@ def test_a_silent_source_is_reconnected_and_caught_up_while_the_replica_serves(c
     set_faults(sim, kv_drop_batches=10_000)  # published and buffered, never delivered: a dead connection
     rng = random.Random(7)
     with httpx.Client(timeout=10) as c:
-        for _ in range(6):
+        until = time.monotonic() + 8  # new prompts, whose blocks it publishes, over more than two silences
+        while time.monotonic() < until and source_of(rt, sim)["reconnects"] == 0:
             chat(c, rt.url, [{"role": "user", "content": text(rng, 80)}])
-        wait_until(lambda: source_of(rt, sim)["reconnects"] >= 1, 6)
+            time.sleep(0.2)
+        assert source_of(rt, sim)["reconnects"] >= 1
+        set_faults(sim, kv_drop_batches=0)  # batches dropped since the catch-up show as a gap at the next one
+        chat(c, rt.url, [{"role": "user", "content": text(rng, 80)}])
         wait_applied(rt, [sim])
     assert index_of(rt, sim)["event_blocks_held"] == sim_events(sim)["cached_blocks"]
+
+
+def test_a_replica_serving_only_prompts_it_holds_whole_is_quiet_not_silent(cluster, model_root):
+    sim = events_sim(cluster, model_root)
+    rt = cluster.router([sim], "--set", "kv_events.silence_s=1")
+    wait_precise(rt, [sim])
+    prompt = [{"role": "user", "content": text(random.Random(9), 80)}]
+    with httpx.Client(timeout=10) as c:
+        chat(c, rt.url, prompt)  # its blocks are computed and published once
+        wait_applied(rt, [sim])
+        until = time.monotonic() + 4  # four silences, each with requests that compute no new block
+        while time.monotonic() < until:
+            chat(c, rt.url, prompt)
+            time.sleep(0.1)
+    assert source_of(rt, sim)["reconnects"] == 0
+    assert "no batch for" not in rt.log_tail(200_000)
 
 
 def test_a_mixed_fleet_keeps_the_approximate_index_for_replicas_without_events(cluster, model_root):
