@@ -49,6 +49,11 @@ _RELEASE_CHARS = 2048  # texts from this long are encoded where other threads ca
 Ids = Union[list[int], array]  # token ids: a list, or an array("I") where they were put together as one
 
 
+class OverBudget(Exception):
+    """Encoding the text would compute more than the caller allowed (``budget`` characters, or a check against
+    encoding it whole): the caller encodes it where a long encode holds up no one (a worker thread)."""
+
+
 def encode_whole(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
     """``text`` encoded in one go. A long text goes through ``encode_batch``, which lets other threads run while
     it encodes (``encode`` holds the interpreter throughout: 0.4 s for a 60,000-token text here)."""
@@ -75,23 +80,39 @@ class WholeCheck:
         self._lock = threading.Lock()
         self.enabled = True
         self.encodes = self.checked = 0
+        self._first_left = _VERIFY_FIRST  # first encodes still to check
         self._first_chars = 0  # characters of the first encodes checked
         self._since = 0  # characters encoded since the last check
 
-    def __call__(self, text: str, add_special_tokens: bool, ids: Ids, encoded: int | None = None) -> Ids:
+    def _due(self, length: int, encoded: int) -> tuple[bool, bool]:
+        """(among the first checks, a check due) for an encode of a text of ``length`` that computed ``encoded``."""
+        first = (self._first_left > 0 and self._first_chars < _VERIFY_FIRST_CHARS
+                 and (self._first_max is None or length <= self._first_max))
+        return first, first or self._since + encoded >= _VERIFY_EVERY * length
+
+    def due(self, length: int, encoded: int) -> bool:
+        """Whether such an encode would be checked (encoding the whole text): a caller that cannot afford that
+        here asks first."""
+        with self._lock:
+            return self._due(length, encoded)[1]
+
+    def __call__(self, text: str, add_special_tokens: bool, ids: Ids, encoded: int | None = None,
+                 may_check: bool = True) -> Ids:
         """``ids`` for ``text``, or its whole encode where this one is checked; ``encoded``: the characters this
-        encode computed (the rest reused), all of them unless given."""
+        encode computed (the rest reused), all of them unless given. With ``may_check`` false a check due is left
+        to the next encode (this one runs where encoding the whole text would hold up others)."""
+        encoded = len(text) if encoded is None else encoded
         with self._lock:
             self.encodes += 1
-            first = (self.encodes <= _VERIFY_FIRST and self._first_chars < _VERIFY_FIRST_CHARS
-                     and (self._first_max is None or len(text) <= self._first_max))
-            if first:
-                self._first_chars += len(text)
-            self._since += len(text) if encoded is None else encoded
-            due = first or self._since >= _VERIFY_EVERY * len(text)
-            if due:
+            first, due = self._due(len(text), encoded)
+            if due and may_check:
                 self._since = 0
-        if not due:
+                if first:
+                    self._first_left -= 1
+                    self._first_chars += len(text)
+            else:
+                self._since += encoded
+        if not due or not may_check:
             return ids
         whole = encode_whole(self._tok, text, add_special_tokens)
         with self._lock:
@@ -155,8 +176,9 @@ class Incremental:
                                  _VERIFY_MAX_CHARS)
         self.reused = self.fresh = self.unjoined = 0
 
-    def encode(self, text: str, add_special_tokens: bool) -> array | None:
-        """The ids of ``text`` (an ``array("I")``), or None where it must be encoded another way."""
+    def encode(self, text: str, add_special_tokens: bool, budget: int | None = None) -> array | None:
+        """The ids of ``text`` (an ``array("I")``), or None where it must be encoded another way; raises
+        :class:`OverBudget` before encoding more than ``budget`` characters where one is given."""
         if not self._check.enabled or len(text) < MIN_CHARS or (add_special_tokens and self._frame is None):
             return None
         hashes = block_hashes(text)
@@ -169,6 +191,8 @@ class Incremental:
         starts.frombytes(b"".join([f[1] for f in found[:known]]))
         reused = len(ids)
         encoded = len(text) - max(0, known * BLOCK_CHARS - MARGIN_CHARS)  # what the windows compute (about)
+        if budget is not None and (encoded > budget or self._check.due(len(text), encoded)):
+            raise OverBudget(encoded)
         joined = self._extend(text, ids, starts, known * BLOCK_CHARS)
         if not joined:
             if joined is False:
@@ -185,7 +209,7 @@ class Incremental:
             framed += ids
             framed.extend(self._frame[1])
             ids = framed
-        return self._check(text, add_special_tokens, ids, encoded)
+        return self._check(text, add_special_tokens, ids, encoded, may_check=budget is None)
 
     def _extend(self, text: str, ids: array, starts: array, pos: int) -> bool | None:
         """Complete ``ids`` (the tokens of ``text`` up to ``pos``, the last ones maybe unfinished) to the end of

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import xxhash
 
+from .incremental import OverBudget
 from .render import Unkeyable
 
 if TYPE_CHECKING:
@@ -222,8 +223,8 @@ def _responses_messages(payload: dict[str, Any]) -> list[Any]:
     return out
 
 
-def _encode_completion(tokenizer: "LocalTokenizer | None", text: str, special: bool) -> Prompt:
-    return tokenizer.ids(text, add_special_tokens=special) if tokenizer is not None else _text(text)
+def _encode_completion(tokenizer: "LocalTokenizer | None", text: str, special: bool, budget: int | None) -> Prompt:
+    return tokenizer.ids(text, add_special_tokens=special, budget=budget) if tokenizer is not None else _text(text)
 
 
 def _is_ids(value: Any) -> bool:
@@ -231,14 +232,14 @@ def _is_ids(value: Any) -> bool:
                                                           for t in value)
 
 
-def prompts_of(path: str, payload: dict[str, Any],
-               tokenizer: "LocalTokenizer | None" = None) -> tuple[list[Prompt] | None, str | None]:
+def prompts_of(path: str, payload: dict[str, Any], tokenizer: "LocalTokenizer | None" = None,
+               budget: int | None = None) -> tuple[list[Prompt] | None, str | None]:
     """The canonical prompt(s) of a request body in byte/id form (None if it has none to key), and why
     they are bytes though a tokenizer was given (one of :data:`router.render.REASONS`), else None.
 
     With a tokenizer, text becomes the token ids vLLM computes: chat rendered as vLLM renders it
     (:mod:`router.render`), completions encoded with the special tokens unless ``add_special_tokens``
-    is false.
+    is false. ``budget``: as :meth:`router.tokenizer.LocalTokenizer.ids` takes it, for the request's texts together.
     """
     if path == "/v1/chat/completions":
         messages = payload.get("messages")
@@ -247,7 +248,7 @@ def prompts_of(path: str, payload: dict[str, Any],
         if tokenizer is None:
             return [chat_bytes(messages)], None
         try:
-            return [tokenizer.chat_ids(payload)], None
+            return [tokenizer.chat_ids(payload, budget)], None
         except Unkeyable as e:  # the replica's ids cannot be known here: the bytes still group alike requests
             return [chat_bytes(messages)], e.reason
     if path == "/v1/responses":
@@ -273,14 +274,18 @@ def prompts_of(path: str, payload: dict[str, Any],
                 return prompts_of(path, payload)[0], "truncated"
         special = payload.get("add_special_tokens", True) is not False
         if isinstance(prompt, str):
-            return [_encode_completion(tokenizer, prompt, special)], None
+            return [_encode_completion(tokenizer, prompt, special, budget)], None
         if _is_ids(prompt):
             return [list(prompt)], None
         if isinstance(prompt, list) and prompt:
+            if budget is not None and tokenizer is not None:  # a batch is keyed inline only where it is short in all
+                texts = sum(len(p) for p in prompt if isinstance(p, str))
+                if texts > budget:
+                    raise OverBudget(texts)
             out: list[Prompt] = []
             for p in prompt:
                 if isinstance(p, str):
-                    out.append(_encode_completion(tokenizer, p, special))
+                    out.append(_encode_completion(tokenizer, p, special, budget))
                 elif _is_ids(p):
                     out.append(list(p))
             return out or None, None
@@ -288,8 +293,8 @@ def prompts_of(path: str, payload: dict[str, Any],
 
 
 def key_for(path: str, payload: dict[str, Any], model: str, bytes_per_token: float = 4,
-            tokenizer: "LocalTokenizer | None" = None) -> PromptKey | None:
-    prompts, inexact = prompts_of(path, payload, tokenizer)
+            tokenizer: "LocalTokenizer | None" = None, budget: int | None = None) -> PromptKey | None:
+    prompts, inexact = prompts_of(path, payload, tokenizer, budget)
     if not prompts:
         return None
     lora = payload.get("lora_request") or payload.get("lora_name")

@@ -35,12 +35,13 @@ from .config import ConfigError, PrefixConfig
 from . import errors
 from .replica_events import Event, EventBus, ReplicaModels, ReplicaRemoved
 from .metrics import Metrics
+from .incremental import OverBudget
 from .prefix import PromptKey, key_for
 from .tokenizer import LocalTokenizer, TokenizerError, find_local
 
 log = logging.getLogger("kvroute.keys")
 
-_INLINE_TOKENIZE_BYTES = 8192
+_INLINE_ENCODE_CHARS = 8192  # a prompt is keyed on the event loop where it encodes at most this much (~0.7 ms)
 _ENCODERS = 2  # threads keying long prompts side by side (the tokenizer lets them run in parallel)
 _ENCODER_NICE = 10
 _WARN_EVERY_S = 60.0
@@ -125,16 +126,19 @@ class PromptKeys:
         base = self._parent.get(model)
         return base if base is not None and model not in self.cfg.tokenizers else model
 
-    async def key(self, path: str, payload: dict[str, Any], model: str, body_size: int = 0) -> PromptKey | None:
+    async def key(self, path: str, payload: dict[str, Any], model: str) -> PromptKey | None:
         """The prompt's key, or None when it has none (the request is then routed by load alone)."""
         tokenizer = self.tokenizer(model)
         bpt = self.bytes_per_token(model)
         try:
-            if tokenizer is not None and body_size > _INLINE_TOKENIZE_BYTES:
-                key = await asyncio.get_running_loop().run_in_executor(
-                    self._encoder, key_for, path, payload, model, bpt, tokenizer)
+            if tokenizer is None:
+                key = key_for(path, payload, model, bpt)
             else:
-                key = key_for(path, payload, model, bpt, tokenizer)
+                try:  # here where what it computes is short (a long prompt mostly seen before), else on a thread
+                    key = key_for(path, payload, model, bpt, tokenizer, budget=_INLINE_ENCODE_CHARS)
+                except OverBudget:
+                    key = await asyncio.get_running_loop().run_in_executor(
+                        self._encoder, key_for, path, payload, model, bpt, tokenizer)
         except RecursionError:  # content nested past what can be walked: the replica judges it
             log.info("prompt of a %s request nested too deeply to key; routing it by load", path)
             self._count("none", "too_deep")

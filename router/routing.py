@@ -279,7 +279,7 @@ class Decider:
             req.session_replica = await self.sessions.get(req.session_id)
         if self.keys is not None and req.payload is not None and req.model is not None:
             keyed = time.perf_counter()
-            req.key = await self.keys.key(req.endpoint, req.payload, req.model, req.body_size)
+            req.key = await self.keys.key(req.endpoint, req.payload, req.model)
             if req.trace is not None:
                 req.trace.add("kvroute.prompt_key", keyed, time.perf_counter(), **{
                     "kvroute.keyed": req.key is not None,

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .incremental import WINDOW_CHARS, Ids, Incremental, WholeCheck, encode_whole
+from .incremental import WINDOW_CHARS, Ids, Incremental, OverBudget, WholeCheck, encode_whole
 from .chat_template import ChatTemplate
 from .render import SPECIAL_TOKENS, Unkeyable, render_chat
 from .word_encoder import WordEncoder
@@ -120,14 +120,20 @@ class LocalTokenizer:
         got = self.ids(text, add_special_tokens)
         return got.tolist() if isinstance(got, array) else got
 
-    def ids(self, text: str, add_special_tokens: bool = True) -> Ids:
+    def ids(self, text: str, add_special_tokens: bool = True, budget: int | None = None) -> Ids:
         """The ids of ``text``: from where an earlier long text left off (:mod:`router.incremental`; an
         ``array("I")``), by pieces between added tokens (:class:`Segments`), word by word
-        (:mod:`router.word_encoder`), or whole by the tokenizer library; the same ids every way."""
+        (:mod:`router.word_encoder`), or whole by the tokenizer library; the same ids every way.
+
+        With a ``budget``, raises :class:`~router.incremental.OverBudget` rather than compute more than that many
+        characters (or check a long text against its whole encode): the event loop keys a prompt itself where
+        that is cheap, and hands it to a thread where not."""
         if self._incremental is not None:
-            ids = self._incremental.encode(text, add_special_tokens)
+            ids = self._incremental.encode(text, add_special_tokens, budget)
             if ids is not None:
                 return ids
+        if budget is not None and len(text) > budget:
+            raise OverBudget(len(text))
         if self._segments is not None:
             ids = self._segments.encode(text, add_special_tokens)
             if ids is not None:
@@ -175,9 +181,11 @@ class LocalTokenizer:
         """A chat completions body's prompt text, as vLLM renders it (raises :class:`Unkeyable`)."""
         return render_chat(self.chat_template(payload.get("tools") is not None), payload, self.special_tokens)
 
-    def chat_ids(self, payload: dict[str, Any]) -> Ids:
-        """A chat completions body's prompt token ids, as vLLM computes them (raises :class:`Unkeyable`)."""
-        return self.ids(self.render(payload), add_special_tokens=payload.get("add_special_tokens") is True)
+    def chat_ids(self, payload: dict[str, Any], budget: int | None = None) -> Ids:
+        """A chat completions body's prompt token ids, as vLLM computes them (raises :class:`Unkeyable`, and
+        :class:`~router.incremental.OverBudget` as :meth:`ids` does)."""
+        return self.ids(self.render(payload), add_special_tokens=payload.get("add_special_tokens") is True,
+                        budget=budget)
 
     def render_chat(self, messages: Sequence[Any]) -> str:
         """Plain messages with the generation prompt (what most requests are)."""

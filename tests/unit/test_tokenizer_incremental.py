@@ -138,3 +138,52 @@ def test_a_text_mostly_reused_is_checked_as_many_times_less_often_as_it_encoded_
     assert check.checked == 32
     check(text, False, ids, encoded=len(text) // 4)
     assert check.checked == 33
+
+
+def settled(tmp_path, head: str) -> LocalTokenizer:
+    """A tokenizer past its first checks against whole encodes, that has seen ``head``."""
+    fresh = LocalTokenizer(tiny_model.write_tokenizer(tmp_path / "tiny"))
+    for seed in range(3):  # ~210,000 characters checked: the first checks are over
+        fresh.encode(head + words(50, seed=100 + seed), add_special_tokens=True)
+    return fresh
+
+
+def test_with_a_budget_a_long_text_mostly_seen_before_is_encoded_in_place(tmp_path):
+    head = words(12_000, seed=9)
+    fresh = settled(tmp_path, head)
+    text = head + words(300, seed=10)
+    assert fresh.ids(text, add_special_tokens=True, budget=8192).tolist() == whole(fresh, text)
+
+
+def test_with_a_budget_a_first_seen_long_text_is_left_to_the_caller(tmp_path):
+    fresh = settled(tmp_path, words(12_000, seed=9))
+    with pytest.raises(incremental.OverBudget):
+        fresh.ids(words(3_000, seed=11), add_special_tokens=True, budget=8192)
+
+
+def test_with_a_budget_an_encode_due_a_whole_text_check_is_left_to_the_caller(tmp_path):
+    head = words(12_000, seed=9)
+    fresh = LocalTokenizer(tiny_model.write_tokenizer(tmp_path / "tiny"))
+    fresh.encode(head, add_special_tokens=True)  # one of the first checks: more are due
+    with pytest.raises(incremental.OverBudget):
+        fresh.ids(head + words(30, seed=12), add_special_tokens=True, budget=8192)
+
+
+def test_a_check_due_where_it_may_not_run_is_made_by_the_next_encode_that_may(tok):
+    check = incremental.WholeCheck(tok._tok, "tiny", "testing")
+    text = words(50, 13)
+    ids = whole(tok, text, False)
+    assert check.due(len(text), len(text))
+    check(text, False, ids, may_check=False)
+    assert check.checked == 0 and check.due(len(text), len(text))
+    check(text, False, ids)
+    assert check.checked == 1
+
+
+def test_with_a_budget_a_batch_of_prompts_is_left_to_the_caller_where_they_are_long_together(tok):
+    from router.prefix import key_for
+    batch = [words(400, seed) for seed in range(20, 26)]  # each under the budget, all together over it
+    assert all(len(p) < 8192 for p in batch) and sum(map(len, batch)) > 8192
+    with pytest.raises(incremental.OverBudget):
+        key_for("/v1/completions", {"prompt": batch}, "m", tokenizer=tok, budget=8192)
+    assert key_for("/v1/completions", {"prompt": batch[:2]}, "m", tokenizer=tok, budget=8192) is not None
