@@ -186,13 +186,13 @@ class Incremental:
             found = list(map(self._blocks.get, hashes))
             known = found.index(None) if None in found else len(found)
             deque(map(self._blocks.move_to_end, hashes[:known]), maxlen=0)  # used: last out
+        encoded = len(text) - max(0, known * BLOCK_CHARS - MARGIN_CHARS)  # what the windows compute (about)
+        if budget is not None and (encoded > budget or self._check.due(len(text), encoded)):
+            raise OverBudget(encoded)  # before the kept ids are joined: the thread that takes it over joins them
         ids, starts = array("I"), array("I")
         ids.frombytes(b"".join([f[0] for f in found[:known]]))
         starts.frombytes(b"".join([f[1] for f in found[:known]]))
         reused = len(ids)
-        encoded = len(text) - max(0, known * BLOCK_CHARS - MARGIN_CHARS)  # what the windows compute (about)
-        if budget is not None and (encoded > budget or self._check.due(len(text), encoded)):
-            raise OverBudget(encoded)
         joined = self._extend(text, ids, starts, known * BLOCK_CHARS)
         if not joined:
             if joined is False:
