@@ -42,6 +42,12 @@ def steady(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def all_ready(rt: Proc) -> None:
+    """Wait until every replica of ``rt`` is in rotation: /ready needs only one, and a replica whose first check
+    comes after the first requests finds every prefix of the load cached elsewhere, and may get no request."""
+    wait_until(lambda: all(v["state"] == "ready" for v in replicas_view(rt).values()), timeout=15, interval=0.1)
+
+
 def test_a_replica_killed_at_a_random_moment_loses_no_request(cluster, figure):
     sims = [cluster.sim(*PACED) for _ in range(3)]
     rt = cluster.router(sims)
@@ -83,6 +89,7 @@ def test_a_broken_replica_costs_no_request_and_is_taken_out(cluster, figure, mod
     bad.wait_http("/health")
     rt = cluster.router([*good, bad], config={"proxy": {"stream_headers_timeout_s": 1.5, "request_timeout_s": 3,
                                                        "stream_idle_timeout_s": 2}})
+    all_ready(rt)
     with Load(rt.url, clients=8, max_tokens=8) as load:
         wait_until(lambda: replicas_view(rt)[bad.url]["state"] != "ready", timeout=60, interval=0.2)
         out_at = time.monotonic()
@@ -103,6 +110,7 @@ def test_a_replica_that_accepts_requests_and_answers_none_is_out_within_10_s_and
     good = [cluster.sim(*PACED) for _ in range(2)]
     hung = cluster.sim(*PACED)
     rt = cluster.router([*good, hung])
+    all_ready(rt)
     set_faults(hung, hang=True)
     with Load(rt.url, clients=8, max_tokens=8) as load:
         out_after = wait_until(lambda: replicas_view(rt)[hung.url]["state"] != "ready", timeout=30, interval=0.1)
