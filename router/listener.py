@@ -73,6 +73,64 @@ _RESPONSES = {
 }
 
 
+class HeadWithBody:
+    """A connection's transport that sends a response's head with the first part of its body.
+
+    uvicorn writes a response's status line and headers as soon as the app starts the response, and its body
+    at the next ``send``: for a whole answer that is two socket sends (two packets, with TCP_NODELAY) where one
+    does. A head is held until the next write on the connection, or until the event loop's next turn when none
+    comes in this one (a stream whose first event is not ready yet: its headers still leave at once, as vLLM
+    sends them). Every other write goes straight through, and order is kept: a held head always leaves first.
+    """
+
+    __slots__ = ("_transport", "_loop", "_held")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held + data)
+        elif data.startswith(b"HTTP/1.1 ") and data.endswith(b"\r\n\r\n"):
+            self._held = data
+            self._loop.call_soon(self._flush)
+        else:
+            self._transport.write(data)
+
+    def _flush(self) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._held = None
+        self._transport.abort()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def __getattr__(self, name: str) -> Any:  # the rest of asyncio.Transport, as it is
+        return getattr(self._transport, name)
+
+
 def listener_class(cfg: ClientConfig, refused: Refusals) -> type[HttpToolsProtocol]:
     """The HTTP protocol class uvicorn runs, with ``cfg``'s limits."""
     max_connections = cfg.max_connections or default_max_connections()
@@ -91,7 +149,7 @@ def listener_class(cfg: ClientConfig, refused: Refusals) -> type[HttpToolsProtoc
         _address: str | None = None  # counted in open_from
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            super().connection_made(HeadWithBody(transport, self.loop))  # type: ignore[arg-type]
             if len(self.connections) > max_connections:
                 refused("too_many_connections", self.client)
                 transport.abort()
