@@ -468,8 +468,9 @@ def main(argv: list[str] | None = None) -> int:
                    "workload, rates and routers (default: loadtest/cluster_bench.yaml; see also cluster_bench_*.yaml)")
     p.add_argument("--routers", type=Path, default=ROOT / "loadtest" / "routers.yaml", help="each router's command "
                    "(default: loadtest/routers.yaml)")
-    p.add_argument("--only", action="append", help="only these routers; with a stored run of the same configuration "
-                   "in the output folder, they are added to it (or replace their earlier rows) at its saturation")
+    p.add_argument("--only", action="append", help="only these routers (the flag repeated, or names separated by "
+                   "commas); with a stored run of the same configuration in the output folder, they are added to it "
+                   "(or replace their earlier rows) at its saturation")
     p.add_argument("--quick", action="store_true", help="a fifth of the groups and requests, three rates (to try "
                    "the set-up; docs/benchmarks.md is left alone)")
     p.add_argument("--out", type=Path, help="results here (default: loadtest/results/NAME); docs/benchmarks.md is updated "
@@ -481,6 +482,11 @@ def main(argv: list[str] | None = None) -> int:
     path = args.config.resolve()
     cfg["_path"] = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
     specs = {name: RouterSpec.parse(name, entry) for name, entry in yaml.safe_load(args.routers.read_text()).items()}
+    if args.only:
+        args.only = [name for names in args.only for name in names.split(",") if name]
+        unknown = [name for name in args.only if name not in cfg["routers"]]
+        if unknown:
+            p.error(f"--only: {', '.join(unknown)} not among this configuration's routers ({', '.join(cfg['routers'])})")
     if args.quick:
         w = cfg["workload"]
         for key in ("groups", "conversations", "warmup"):  # the warm-up is one prompt per group
