@@ -18,19 +18,12 @@ class Sends:
     def __init__(self) -> None:
         self.sends: list[bytes] = []
         self.closed = False
-        self.aborted = False
 
     def write(self, data: bytes) -> None:
         self.sends.append(data)
 
     def close(self) -> None:
         self.closed = True
-
-    def abort(self) -> None:
-        self.aborted = True
-
-    def is_closing(self) -> bool:
-        return self.closed or self.aborted
 
 
 def run(body) -> Sends:
