@@ -79,6 +79,9 @@ def add_admin_routes(app: FastAPI, gw: Gateway, endpoints: dict[str, ProxyEndpoi
         await gw.decider.prepare(route)
         return JSONResponse({"model": route.model, "prompt_tokens": route.prompt_tokens,
                              "index_fallback": route.index_fallback, "session_replica": route.session_replica,
+                             # its own history's next turn, or a prompt that may start a conversation and the
+                             # further turns one is expected to send (router.conversations)
+                             "extends_earlier": route.extends_earlier, "turns_ahead": round(route.turns_ahead, 4),
                              # on a large fleet, the few replicas its decision weighs (see router.candidates)
                              "weighed": "all" if route.candidates is None else len(route.candidates),
                              **gw.policy.explain(route, gw.admission.views(route.candidates))})

@@ -34,7 +34,9 @@ import time
 from collections import OrderedDict, deque
 from typing import Callable, Iterable, NamedTuple, Sequence, Union
 
-PRIOR_ENDED = 10.0  # until that many tails grew, the share stays well below 1
+# the share starts at 0 and is 0.5 after two next turns: a burst of new conversations is known as one soon (with 10,
+# the first dozen of a burst started before the router counted them as conversations, and piled up)
+PRIOR_ENDED = 2.0
 DECAY = 0.999  # the share follows the last few thousand outcomes
 SCAN_BLOCKS = 512  # a turn's previous tail is searched this far back from the end of the prompt
 
@@ -81,6 +83,12 @@ class Conversations:
         """The share of answered prompts whose next turn came and grew the history (decayed, with its
         prior)."""
         return self._grew / (self._grew + self._ended + PRIOR_ENDED)
+
+    def turns_ahead(self) -> float:
+        """The further turns a prompt that starts a conversation is expected to send: each answered prompt's next
+        turn comes with the continued share s, so s + s^2 + ... = s / (1 - s) (finite: the prior keeps s below 1)."""
+        share = self.continued_share()
+        return share / (1.0 - share)
 
     def find(self, chains: Iterable[Sequence[int]]) -> Continuation | None:
         """The waiting tail a prompt continues (the deepest found), the replica it waits at, and whether the

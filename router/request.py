@@ -52,6 +52,9 @@ class RouteRequest:
     continues: Continuation | None = None  # the answered prompt's tail it holds, if one waits
     # it holds the tail of a prompt routed before it (router.conversations): what it shares is its own history
     extends_earlier: bool = False
+    # of a prompt that extends no earlier one: the further turns it is expected to send where it starts, if it
+    # starts a conversation (router.conversations), which meet the load there; 0 for a history's next turn
+    turns_ahead: float = 0.0
     session_replica: str | None = None
     candidates: tuple[str, ...] | None = None  # the replicas its decision weighs (None: every replica)
     # whole; or, split between two replicas (router.disaggregation), its prefill or its decode; or local: whole, on

@@ -347,10 +347,13 @@ class Decider:
 
     def _history(self, req: RouteRequest, chains: list[Sequence[int]]) -> None:
         """The conversation waiting between turns that ``req`` continues, if any, and whether it holds the end of
-        any prompt routed before it (its own history, which the cost prices as such)."""
+        any prompt routed before it (its own history, which the cost prices as such); if not, it may start a
+        conversation, and the cost weighs load by the turns one is expected to send."""
         assert self.conversations is not None
         req.continues = self.conversations.find(chains)
         req.extends_earlier = req.continues is not None or self.conversations.extends(chains)
+        if not req.extends_earlier:
+            req.turns_ahead = self.conversations.turns_ahead()
 
     def _unroutable(self, req: RouteRequest, e: NoCandidate) -> GatewayError:
         if e.why == "unknown_model":

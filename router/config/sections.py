@@ -187,6 +187,12 @@ class CacheAwareConfig(_Model):
                                     "this many requests in flight there (load term), times the share of answered "
                                     "prompts whose next turn came and grew the history by a whole block; 0 turns "
                                     "it off")
+    turns_ahead_max: float = Field(8.0, ge=0, description="a prompt that holds no earlier prompt's end (it may "
+                                   "start a conversation) weighs each replica's load and waiting conversations "
+                                   "(1 + t) times, t the further turns a conversation is expected to send (s / (1 - s), "
+                                   "s the share of answered prompts whose next turn came), at most this many: its "
+                                   "later turns stay where it starts (recompute_weight) and meet the load there, "
+                                   "while a prefix it finds cached there saves prefill once; 0 turns it off")
     recompute_weight: float = Field(10.0, ge=0, description="prompt tokens a replica would compute that another "
                                     "replica holds cached cost this many times more, where the prompt holds the end "
                                     "of an earlier prompt (its own history: a conversation's next turn): computing "

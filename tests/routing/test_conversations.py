@@ -77,6 +77,17 @@ def test_requests_expected_back_are_the_waiting_conversations_times_the_share_th
     assert c.expected() == {"a": pytest.approx(2 * share, rel=0.02), "b": pytest.approx(share, rel=0.02)}
 
 
+def test_a_new_conversation_is_expected_to_send_as_many_more_turns_as_the_share_that_came_back_implies():
+    c = Conversations()
+    assert c.turns_ahead() == 0  # nothing came back yet
+    for tail in range(100, 120):
+        c.answered("a", [tail])
+        come_back(c, tail)
+    share = c.continued_share()
+    assert c.turns_ahead() == pytest.approx(share / (1 - share))  # s + s^2 + ...
+    assert c.turns_ahead() == pytest.approx(20 / PRIOR_ENDED, rel=0.02)
+
+
 def test_prompts_that_come_back_without_growing_are_not_counted_as_conversations():
     c = Conversations()
     for _ in range(20):  # a group's prompts: the same last whole block each time, the question after it
@@ -240,6 +251,21 @@ def test_new_conversations_under_one_cached_system_prompt_spread_once_conversati
 def test_without_the_waiting_conversations_every_new_one_follows_the_cached_system_prompt(cluster):
     began = first_turns_by_replica(two_replicas(cluster, cache_aware={"returning_weight": 0}))
     assert len(began) == 1, began
+
+
+def test_a_first_turn_is_told_the_turns_expected_after_it_and_a_next_turn_none(cluster):
+    rt = two_replicas(cluster)
+    for c in range(4):
+        for messages in turns(c, 2):
+            served_by(rt, messages)
+
+    def explain(messages):
+        return HTTP.post(rt.url + "/admin/explain/v1/chat/completions", json={"model": "tiny", "messages": messages},
+                         timeout=10).json()
+    first = explain(turns(99, 1)[0])
+    assert (first["extends_earlier"], first["turns_ahead"]) == (False, pytest.approx(4 / PRIOR_ENDED, rel=0.05))
+    later = explain(turns(3, 3)[2])  # the third turn of a conversation answered twice
+    assert (later["extends_earlier"], later["turns_ahead"]) == (True, 0)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ def view(name, inflight=0, ready=True, models=("m",), drained=False, pending=0, 
                        external_load=external, inflight=inflight, pending_prefill=pending)
 
 
-def req(model="m", exclude=(), session=None, prompt=0, cached=None, occupancy=None, returning=None, extends=False):
+def req(model="m", exclude=(), session=None, prompt=0, cached=None, occupancy=None, returning=None, extends=False,
+        turns_ahead=0.0):
     r = RouteRequest(model=model, request_id="r", endpoint="/v1/completions",
                      exclude=exclude if isinstance(exclude, dict) else dict.fromkeys(exclude, 0))
     r.session_replica = session
@@ -34,6 +35,7 @@ def req(model="m", exclude=(), session=None, prompt=0, cached=None, occupancy=No
     r.best_cached = max(r.cached.values(), default=0)
     r.returning = dict(returning or {})
     r.extends_earlier = extends
+    r.turns_ahead = turns_ahead
     return r
 
 
@@ -147,6 +149,27 @@ def test_a_conversation_waiting_between_turns_weighs_like_a_request_in_flight():
     assert weight() == pytest.approx(in_flight) == pytest.approx(1.0)
     assert weight(returning_weight=0.5) == pytest.approx(0.5)
     assert weight(returning_weight=0) == 0
+
+
+def test_a_prompt_that_may_start_a_conversation_weighs_load_once_per_turn_it_is_expected_to_send():
+    busy = view("a", prefill_tokens_per_s=8000, max_num_seqs=256, inflight=64)
+    idle = view("a", prefill_tokens_per_s=8000, max_num_seqs=256)
+
+    def load_cost(turns_ahead=0.0, cfg=None):
+        scorer = PredictedTTFTScorer(CacheAwareConfig(**(cfg or {})))
+        r = req(prompt=1024, turns_ahead=turns_ahead)
+        return scorer.cost(r, busy) - scorer.cost(r, idle)
+    once = load_cost()
+    assert load_cost(turns_ahead=3.0) == pytest.approx(4 * once)  # its own turn, and three more
+    assert load_cost(turns_ahead=20.0) == pytest.approx(9 * once)  # at most turns_ahead_max (8) more
+    assert load_cost(turns_ahead=3.0, cfg={"turns_ahead_max": 0}) == pytest.approx(once)
+
+
+def test_turns_ahead_weigh_waiting_conversations_too():
+    def returning_s(turns_ahead):
+        r = req(returning={"a": 4}, turns_ahead=turns_ahead)
+        return PredictedTTFTScorer(CacheAwareConfig()).explain(r, view("a", prefill_tokens_per_s=8000))["returning_s"]
+    assert returning_s(1.0) == pytest.approx(2 * returning_s(0.0)) != 0
 
 
 def test_computing_again_what_another_replica_holds_costs_recompute_weight_times_its_prefill():
