@@ -34,11 +34,16 @@ from .view import ReplicaView
 
 
 class Ranking:
-    """The ready, undrained replicas of each model, and the ``head`` least loaded for their capacity of them."""
+    """The ready, undrained replicas of each model, and the ``head`` least loaded for their capacity of them.
+
+    Replicas equally loaded are ranked in an order drawn at random for each ranking: on a fleet mostly idle
+    between bursts, a fixed order (by name) would name the same few idle replicas to every decision for as
+    long as they stay idle, and new conversations would gather there."""
 
     __slots__ = ("made_at", "names", "least", "blocks")
 
-    def __init__(self, standings: Iterable[tuple[float, int, str, frozenset[str], int]], head: int) -> None:
+    def __init__(self, standings: Iterable[tuple[float, int, str, frozenset[str], int]], head: int,
+                 rng: random.Random) -> None:
         self.made_at = time.monotonic()
         by_model: dict[str, list[tuple[float, int, str, frozenset[str], int]]] = {}
         for entry in standings:
@@ -46,12 +51,16 @@ class Ranking:
                 by_model.setdefault(m, []).append(entry)
         # every ready replica, in the pool's order (for counting and drawing at random); the least loaded sorted
         self.names = {m: [e[2] for e in entries] for m, entries in by_model.items()}
-        self.least = {m: [e[2] for e in heapq.nsmallest(head, entries, key=_load_key)] for m, entries in by_model.items()}
+        self.least = {m: _least(entries, head, rng) for m, entries in by_model.items()}
         self.blocks = {m: sorted({e[4] for e in entries}) for m, entries in by_model.items()}
 
 
-def _load_key(entry: tuple[float, int, str, frozenset[str], int]) -> tuple[float, int, str]:
-    return entry[0], entry[1], entry[2]
+def _least(entries: list[tuple[float, int, str, frozenset[str], int]], head: int, rng: random.Random) -> list[str]:
+    """The names of the ``head`` least loaded of ``entries`` (load for capacity, then pending prefill), least first;
+    ties in an order drawn at random."""
+    tie = [rng.random() for _ in entries]
+    best = heapq.nsmallest(head, range(len(entries)), key=lambda i: (entries[i][0], entries[i][1], tie[i]))
+    return [entries[i][2] for i in best]
 
 
 class Candidates:
@@ -70,7 +79,7 @@ class Candidates:
         r = self._ranking
         if r is None or time.monotonic() >= self._next_at:
             cpu = time.thread_time()
-            r = self._ranking = Ranking(self.pool.standings(), self.cfg.least_loaded)
+            r = self._ranking = Ranking(self.pool.standings(), self.cfg.least_loaded, self._rng)
             cost = time.thread_time() - cpu
             self._next_at = r.made_at + max(self.cfg.ranking_s, cost / self.cfg.ranking_cpu)
         return r

@@ -126,3 +126,22 @@ def test_a_ranking_is_made_again_once_it_is_ranking_s_old(monkeypatch):
 def test_a_ranking_that_would_take_more_than_its_share_of_a_core_is_made_less_often(monkeypatch):
     # a ranking of 256 replicas takes well over 1 µs: at most a millionth of a core leaves one ranking in 0.3 s
     assert rankings_made(monkeypatch, ranking_cpu=1e-6) == 1
+
+
+def least_named(standings, rankings=40, head=8):
+    """How often each replica is among the ``head`` least loaded over ``rankings`` rankings of ``standings``."""
+    from router.candidates import Ranking
+    rng = random.Random(7)
+    return collections.Counter(n for _ in range(rankings) for n in Ranking(standings, head, rng).least["tiny"])
+
+
+def test_equally_loaded_replicas_are_named_least_loaded_in_turn_not_by_name():
+    idle = [(0.0, 0, f"r{i:02d}", frozenset({"tiny"}), 16) for i in range(64)]
+    named = least_named(idle)
+    assert len(named) > 48  # a fixed order would name the same 8 every time
+    assert max(named.values()) < 20
+
+
+def test_the_least_loaded_are_named_before_any_busier_replica():
+    standings = [(0.5 if i % 2 else 0.0, 0, f"r{i:02d}", frozenset({"tiny"}), 16) for i in range(64)]
+    assert all(int(n[1:]) % 2 == 0 for n in least_named(standings))
