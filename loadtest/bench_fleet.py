@@ -1,7 +1,7 @@
 """What a large fleet costs a router: CPU per request, decision time, idle CPU, memory, time to ready.
 
     python -m loadtest.bench_fleet [--sizes 8,64,256,1024] [--routers kvroute,kvroute-redis-4,sglang-router]
-                                   [--requests 2000] [--concurrency 16] [--idle-s 20] [--set FIELD=VALUE]
+                                   [--requests 2000] [--concurrency 16] [--idle-s 20] [--rounds 1] [--set FIELD=VALUE]
 
 For each fleet size one simulator process hosts N instant replicas (``--ttft-ms 0 --itl-ms 0``) on
 consecutive ports, serving the tiny model's tokenizer as their root, as a new user would set them up.
@@ -32,6 +32,7 @@ import asyncio
 import json
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -246,7 +247,36 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
         out.append(f"| {r['router']} | {r['replicas']} | {r['ready_s']} | {r['idle_cpu'] * 100:.1f}% | "
                    f"{r['cpu_per_1000_s']} | {r['requests_per_s']} | {r['p50_ms']} | {r['p99_ms']} | {dec} | "
                    f"{r['rss_mb']} | {r['failed']} |")
+    if max((r.get("round", 1) for r in rows), default=1) > 1:
+        out += ["", *medians(rows)]
     return "\n".join(out) + "\n"
+
+
+def medians(rows: list[dict[str, Any]]) -> list[str]:
+    """Each router's medians per fleet size over the rounds, and its CPU per request at the largest size over that at
+    the smallest, round by round (with their median: the figure least moved by the machine's drift) and of the
+    medians."""
+    out = ["Medians over the rounds:", "",
+           "| router | replicas | rounds | idle CPU | CPU per 1000 (s) |", "|---|---|---|---|---|"]
+    by: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault((r["router"], r["replicas"]), []).append(r)
+    for (router, n), runs in by.items():
+        out.append(f"| {router} | {n} | {len(runs)} | {statistics.median(r['idle_cpu'] for r in runs) * 100:.1f}% | "
+                   f"{statistics.median(r['cpu_per_1000_s'] for r in runs):.3f} |")
+    out.append("")
+    for router in dict.fromkeys(r["router"] for r in rows):
+        sizes = sorted({n for (name, n) in by if name == router})
+        if len(sizes) < 2:
+            continue
+        small, large = by[(router, sizes[0])], by[(router, sizes[-1])]
+        pairs = [b["cpu_per_1000_s"] / a["cpu_per_1000_s"] for a, b in zip(small, large) if a["cpu_per_1000_s"]]
+        med = statistics.median(r["cpu_per_1000_s"] for r in large) / statistics.median(
+            r["cpu_per_1000_s"] for r in small)
+        out.append(f"- {router}: CPU per request at {sizes[-1]} replicas over that at {sizes[0]}: "
+                   f"{' / '.join(f'{x:.2f}' for x in pairs)} round by round (median {statistics.median(pairs):.2f}: "
+                   f"each round's two sizes ran within a minute of each other), {med:.2f} of the medians.")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, default=64, help="prefix groups")
     p.add_argument("--idle-s", type=float, default=20.0, help="seconds of idle CPU measurement")
     p.add_argument("--ready-timeout-s", type=float, default=120.0)
+    p.add_argument("--rounds", type=int, default=1, help="measure every router and size this many times, the sizes "
+                   "in turn (8, 1024, 8, 1024, ...), and report each one's medians: this machine's speed drifts "
+                   "by tens of percent within minutes")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a kvroute setting (kvroute serve --set), e.g. health.max_requests_per_s=200")
     p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results" / "fleet")
@@ -274,25 +307,33 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvroute-fleet-") as tmp:
         logs = Path(tmp)
         root = write_tokenizer(logs / "tiny-model")
-        for n in [int(s) for s in args.sizes.split(",")]:
-            base = free_ports(n)
-            sim = simulator(base, MODEL, "--replicas", str(n), "--ttft-ms", "0", "--itl-ms", "0",
-                            "--root", str(root), log_dir=logs, name=f"sim-{n}").start()
-            try:
+        sims: list[Proc] = []
+        fleets: list[list[str]] = []
+        try:
+            for n in [int(s) for s in args.sizes.split(",")]:  # every fleet up at once: rounds alternate sizes
+                base = free_ports(n)
+                sims.append(simulator(base, MODEL, "--replicas", str(n), "--ttft-ms", "0", "--itl-ms", "0",
+                                      "--root", str(root), log_dir=logs, name=f"sim-{n}").start())
                 deadline = time.monotonic() + 60
                 for i in (0, n - 1):
                     s = Proc("sim", [], base + i)
                     s.wait_http(timeout=max(1.0, deadline - time.monotonic()))
-                urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
-                for setup in args.routers.split(","):
-                    kind = SETUPS[setup][0]
-                    if kind != "kvroute" and not (shutil.which(kind) or (Path(sys.executable).parent / kind).exists()):
-                        print(f"{kind}: not installed (pip install '.[bench]'), skipped", file=sys.stderr)
-                        continue
-                    row = measure(setup, urls, bodies, args, logs)
-                    rows.append(row)
-                    print(json.dumps(row), file=sys.stderr, flush=True)
-            finally:
+                fleets.append([f"http://127.0.0.1:{base + i}" for i in range(n)])
+            for round_ in range(1, args.rounds + 1):
+                for urls in fleets:
+                    for setup in args.routers.split(","):
+                        kind = SETUPS[setup][0]
+                        if kind != "kvroute" and not (shutil.which(kind) or
+                                                      (Path(sys.executable).parent / kind).exists()):
+                            if round_ == 1:
+                                print(f"{kind}: not installed (pip install '.[bench]'), skipped", file=sys.stderr)
+                            continue
+                        row = measure(setup, urls, bodies, args, logs)
+                        row["round"] = round_
+                        rows.append(row)
+                        print(json.dumps(row), file=sys.stderr, flush=True)
+        finally:
+            for sim in sims:
                 sim.stop()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
