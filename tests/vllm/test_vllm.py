@@ -109,6 +109,9 @@ def test_completions_through_the_gateway_are_well_formed(gateway):
 
 
 def test_router_learns_block_size_and_kv_capacity_from_metrics(gateway, replicas):
+    # the router is ready once a replica's health check passed; its first scrape of each may come a moment later
+    wait_until(lambda: all(replicas_view(gateway)[p.url]["num_gpu_blocks"] == n for p, n in zip(replicas, BLOCKS)),
+               timeout=10, interval=0.2)
     view = replicas_view(gateway)
     for proc, blocks in zip(replicas, BLOCKS):
         assert view[proc.url]["block_size"] == 128
