@@ -319,15 +319,16 @@ def main(argv: list[str] | None = None) -> int:
                     s = Proc("sim", [], base + i)
                     s.wait_http(timeout=max(1.0, deadline - time.monotonic()))
                 fleets.append([f"http://127.0.0.1:{base + i}" for i in range(n)])
+            setups = []
+            for setup in args.routers.split(","):
+                kind = SETUPS[setup][0]
+                if kind != "kvroute" and not (shutil.which(kind) or (Path(sys.executable).parent / kind).exists()):
+                    print(f"{kind}: not installed (pip install '.[bench]'), skipped", file=sys.stderr)
+                else:
+                    setups.append(setup)
             for round_ in range(1, args.rounds + 1):
                 for urls in fleets:
-                    for setup in args.routers.split(","):
-                        kind = SETUPS[setup][0]
-                        if kind != "kvroute" and not (shutil.which(kind) or
-                                                      (Path(sys.executable).parent / kind).exists()):
-                            if round_ == 1:
-                                print(f"{kind}: not installed (pip install '.[bench]'), skipped", file=sys.stderr)
-                            continue
+                    for setup in setups:
                         row = measure(setup, urls, bodies, args, logs)
                         row["round"] = round_
                         rows.append(row)
