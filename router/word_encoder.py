@@ -26,7 +26,7 @@ import logging
 import re
 import unicodedata
 from functools import lru_cache
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain, compress, count, repeat
 from typing import Any, Callable
 
 log = logging.getLogger("kvroute.tokenizer")
@@ -227,8 +227,17 @@ class WordEncoder:
                 ids.extend(chain.from_iterable(entries))
                 places = list(accumulate(lengths, initial=pos))
                 places.pop()
-                if len(ids) - before == len(cut):  # a token per word (most words of a large vocabulary)
+                extra = len(ids) - before - len(cut)  # tokens past the first of their word's
+                if not extra:  # a token per word (most words of a large vocabulary)
                     starts.extend(places)
+                elif extra * 4 < len(cut):  # a few words of several tokens: their places repeated, slices between
+                    counts = list(map(len, entries))
+                    prev = 0
+                    for w in compress(count(), map((1).__lt__, counts)):
+                        starts += places[prev:w + 1]
+                        starts += repeat(places[w], counts[w] - 1)
+                        prev = w + 1
+                    starts += places[prev:]
                 else:
                     starts.extend(chain.from_iterable(map(repeat, places, map(len, entries))))
             pos += len(piece)

@@ -88,6 +88,24 @@ def test_each_token_is_placed_where_its_word_begins(gpt2_style):
     assert starts[ids.index(gpt2_style.token_to_id("<s>"))] == text.index("<s>")
 
 
+def word_starts(tok, text: str) -> list[int]:
+    """Where each token's word begins, from the library's own word cut and token offsets."""
+    words = [span[0] for _, span in tok.pre_tokenizer.pre_tokenize_str(text)]
+    return [max(w for w in words if w <= start) for start, _ in tok.encode(text, add_special_tokens=False).offsets]
+
+
+@pytest.mark.parametrize("text", [
+    " ".join(tiny_model.WORDS),  # a token per word
+    " ".join(tiny_model.WORDS) + " qzxj " + " ".join(tiny_model.WORDS) + " vkwq",  # a few words of several tokens
+    " ".join(["qzxj vk"] * 40),  # mostly words of several tokens
+])
+def test_each_token_is_placed_where_the_library_cuts_its_word(gpt2_style, text):
+    enc = WordEncoder.of(gpt2_style, "tiny")
+    ids, starts = enc.encode(text, at=100)
+    assert ids == library(gpt2_style, text)
+    assert starts == [s + 100 for s in word_starts(gpt2_style, text)]
+
+
 def test_text_past_the_basic_plane_is_left_to_the_library(gpt2_style):
     enc = WordEncoder.of(gpt2_style, "tiny")
     assert enc.encode("emoji 😀 here") is None
