@@ -1,7 +1,8 @@
 """What a large fleet costs a router: CPU per request, decision time, idle CPU, memory, time to ready.
 
     python -m loadtest.bench_fleet [--sizes 8,64,256,1024] [--routers kvroute,kvroute-redis-4,sglang-router]
-                                   [--requests 2000] [--concurrency 16] [--idle-s 20] [--rounds 1] [--set FIELD=VALUE]
+                                   [--requests 2000] [--concurrency 16] [--settle-s 12] [--idle-s 20] [--rounds 1]
+                                   [--set FIELD=VALUE]
 
 For each fleet size one simulator process hosts N instant replicas (``--ttft-ms 0 --itl-ms 0``) on
 consecutive ports, serving the tiny model's tokenizer as their root, as a new user would set them up.
@@ -13,8 +14,9 @@ started for it). The run measures, router by router, on the same request sequenc
 
 - time until the router reports every replica ready (kvroute's ``/ready`` count; other routers: their
   first answered request; with four instances, until the last one is);
-- idle CPU: the router's CPU over ``--idle-s`` seconds with no traffic, as a share of one core (per
-  instance);
+- idle CPU: the router's CPU over ``--idle-s`` seconds with no traffic, from ``--settle-s`` seconds after it
+  was ready (kvroute measures what its checks cost in its first 10 s and keeps to its budget after), as a
+  share of one core (per instance);
 - the load: ``--requests`` non-streaming completions of ~1,000-token prompts from 64 prefix groups at
   ``--concurrency`` (``--prompt-tokens``, ``--shared-tokens`` and ``--groups`` change them: 12,000-token
   prompts sharing their first 11,000 with earlier ones are ``--prompt-tokens 12000 --shared-tokens 11000``), sent over kept-alive connections; router CPU seconds per 1,000 requests (from
@@ -207,7 +209,7 @@ def measure(setup: str, urls: list[str], bodies: list[bytes], args: argparse.Nam
         for proc in procs:
             wait_ready(proc, kind, len(urls), args.ready_timeout_s, bodies[0])
         ready_s = time.monotonic() - started
-        time.sleep(2.0)  # the first health round's stragglers
+        time.sleep(args.settle_s)  # the first health round's stragglers; kvroute's control budget measured
 
         def cpu() -> float:
             return sum(tree_cpu_seconds(p.pid) for p in procs)
@@ -291,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-tokens", type=int, default=960,
                    help="of those, the head each prefix group shares (the rest is the request's own)")
     p.add_argument("--groups", type=int, default=64, help="prefix groups")
+    p.add_argument("--settle-s", type=float, default=12.0,
+                   help="seconds between ready and the idle CPU measurement (kvroute's control budget is measured "
+                        "in its first 10 s)")
     p.add_argument("--idle-s", type=float, default=20.0, help="seconds of idle CPU measurement")
     p.add_argument("--ready-timeout-s", type=float, default=120.0)
     p.add_argument("--rounds", type=int, default=1, help="measure every router and size this many times, the sizes "

@@ -91,6 +91,7 @@ class LoadTable:
         self._drained: dict[str, int] = {}
         self._m_inflight: dict[str, Any] = {}
         self._touched: set[str] = set()  # replicas whose figures in this worker's row changed (shared load)
+        self.taken = self.released = 0  # slots this process took and gave back, ever (an idle process: equal, still)
         self._on_change: Callable[[], None] | None = None  # told when _touched stops being empty
         for n in names:
             self.add(n)
@@ -196,10 +197,12 @@ class LoadTable:
                 self._lock.release()
         self._m_inflight[name].inc()
         self._touch(name)
+        self.taken += 1
         return True
 
     def release(self, name: str) -> None:
         i = self._own.get(name)
+        self.released += 1
         if i is None:  # removed while the request ran (its drain timed out)
             return
         self._cells[i] -= 1

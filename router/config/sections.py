@@ -25,8 +25,13 @@ class HealthConfig(_Model):
                                       "per second over the whole fleet, at most: a fleet that would need more at "
                                       "interval_s and metrics_interval_s (3 per replica per second at the defaults) "
                                       "is checked less often, every replica alike (1,024 replicas: every 28 s; "
-                                      "past the budget /v1/models is read with every 5th check only); each costs "
-                                      "the router about 0.5 ms of CPU (80 a second: 4% of a core)")
+                                      "past the budget /v1/models is read with every 5th check only); fewer where "
+                                      "max_idle_cpu says so")
+    max_idle_cpu: float = Field(0.04, gt=0, le=1, description="share of a core the router may spend idle, checking "
+                                "and scraping the fleet: what a control request costs is measured while no client "
+                                "request is served (0.3-0.7 ms of CPU each, by machine), and a large fleet gets "
+                                "this share divided by that many requests a second (at most max_requests_per_s, at "
+                                "least 10); /admin/replicas shows the budget under health_checks")
     eject_after: int = Field(5, ge=1, description="requests in a row that fail on a replica (no answer, 5xx, a broken "
                              "or silent stream) take it out of rotation, however its /health answers")
     eject_s: float = Field(30.0, gt=0, description="how long such a replica stays out; doubled each time it is taken "

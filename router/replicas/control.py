@@ -3,8 +3,9 @@
 Each replica has one background loop (:meth:`Control.loop`) that checks its ``/health`` (then its
 ``/v1/models``) every ``health.interval_s`` and scrapes its ``/metrics`` every ``health.metrics_interval_s``,
 one after the other on one kept-alive connection apart from the requests'. On a fleet that would need more
-than ``health.max_requests_per_s`` of them, every replica is checked less often (:meth:`Control.spacing`),
-and ``/v1/models`` is read with one check in :data:`MODELS_EVERY` only. With several worker processes each
+of them a second than the control budget allows (:mod:`.control_budget`: ``health.max_requests_per_s``, or
+fewer where ``health.max_idle_cpu`` of a core buys fewer), every replica is checked less often
+(:meth:`Control.spacing`), and ``/v1/models`` is read with one check in :data:`MODELS_EVERY` only. With several worker processes each
 worker checks at ``workers`` times the interval, staggered, so a replica sees the configured rate in all.
 With routers sharing the checks (:mod:`.shared_health`) each replica's owner checks it at the configured
 rate and the others ``routers`` times less often; the budget counts that share of the fleet.
@@ -24,6 +25,7 @@ from .. import hops
 from ..config import HealthConfig, ProxyConfig
 from ..load import LoadTable
 from ..upstream import ConnectFailed, UpstreamError, UpstreamPool, UpstreamResponse
+from .control_budget import ControlBudget
 from .health import Health
 from .record import Replica
 from .shared_health import SharedHealth
@@ -85,6 +87,7 @@ class Control:
         self.instance = instance  # this router's id (router.hops): a replica answering with it is this router
         self._checked: set[str] = set()  # replicas whose first health check is done
         self.first_round = asyncio.Event()  # every replica checked once
+        self.budget = ControlBudget(config, lambda: (load.taken, load.released))
 
     def connection(self, url: str) -> UpstreamPool:
         """A replica's control connection: kept alive between rounds for up to ``proxy.upstream_idle_s``."""
@@ -116,12 +119,14 @@ class Control:
     async def check(self, r: Replica) -> None:
         """One health check: /health, then /v1/models (on a large fleet not every time: see :meth:`_models_due`)."""
         try:
+            self.budget.count()
             status, _ = await fetch(r, "/health", self.config.timeout_s, self.instance)
             if status != 200:
                 self.health.mark_failure(r, f"/health answered {status}")
                 return
             r.checks += 1
             if self._models_due(r):
+                self.budget.count()
                 status, body = await fetch(r, "/v1/models", self.config.timeout_s, self.instance)
                 if status != 200:
                     self.health.mark_failure(r, f"/v1/models answered {status}")
@@ -144,12 +149,12 @@ class Control:
 
     def spacing(self) -> float:
         """How many times the configured intervals apart each replica is checked and scraped now: 1, or more
-        where the fleet would otherwise need more than ``health.max_requests_per_s`` control requests a second.
+        where the fleet would otherwise need more control requests a second than the budget (:attr:`budget`).
         A health check is two requests (/health, /v1/models) while the fleet fits in that budget; beyond it,
         /v1/models goes with every :data:`MODELS_EVERY` th check only (see :meth:`_models_due`)."""
         h = self.config
         per_replica = (1.0 + 1.0 / MODELS_EVERY) / h.interval_s + 1.0 / h.metrics_interval_s
-        return max(1.0, self._checked_share() * per_replica / h.max_requests_per_s)
+        return max(1.0, self._checked_share() * per_replica / self.budget.rate())
 
     def _checked_share(self) -> float:
         """How many replicas' worth of checks this router makes at the configured rates: the fleet, or with
@@ -161,7 +166,7 @@ class Control:
         configured intervals, and for a replica not ready; else every :data:`MODELS_EVERY` th check."""
         h = self.config
         full = self._checked_share() * (2.0 / h.interval_s + 1.0 / h.metrics_interval_s)
-        return full <= h.max_requests_per_s or not r.ready or r.checks % MODELS_EVERY == 0
+        return full <= self.budget.rate() or not r.ready or r.checks % MODELS_EVERY == 0
 
     def _pause(self, interval: float, r: Replica) -> float:
         """Seconds between this process's checks (or scrapes) of ``r``: the workers of a host take turns; with
@@ -200,6 +205,7 @@ class Control:
             if now >= next_scrape:
                 if r.state != "unready":
                     try:
+                        self.budget.count()
                         await self.scrape(r)
                     except Exception:
                         log.exception("metrics scrape of %s crashed", r.name)

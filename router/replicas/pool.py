@@ -73,6 +73,7 @@ class ReplicaPool:
         for cfg in configs:
             self.replicas[cfg.name] = self._make(cfg)
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._budget_task: asyncio.Task[None] | None = None
         self.freed = FreedMemory()
         self._started = False
 
@@ -92,6 +93,7 @@ class ReplicaPool:
         self._started = True
         if self.shared_health is not None:
             await self.shared_health.start()  # which replicas are this router's to check
+        self._budget_task = asyncio.create_task(self.control.budget.run(), name="control-budget")
         for r in self.replicas.values():
             self._spawn(r)
         if self.replicas:
@@ -104,6 +106,9 @@ class ReplicaPool:
         if self.shared_health is not None:
             await self.shared_health.close()  # the others take this router's replicas at once
         tasks = [t for ts in self._tasks.values() for t in ts]
+        if self._budget_task is not None:
+            tasks.append(self._budget_task)
+            self._budget_task = None
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -213,10 +218,11 @@ class ReplicaPool:
     def describe_checks(self) -> dict[str, Any]:
         """Who checks the replicas: this router alone, or the routers sharing the checks (and how many are its)."""
         shared = self.shared_health
+        budget = {"budget": self.control.budget.describe(), "spacing": round(self.control.spacing(), 2)}
         if shared is None or not shared.active:
-            return {"shared": False, "routers": 1, "router": None, "checked_here": len(self.replicas)}
+            return {"shared": False, "routers": 1, "router": None, "checked_here": len(self.replicas), **budget}
         return {"shared": True, "routers": shared.routers, "router": shared.id,
-                "checked_here": shared.owned}
+                "checked_here": shared.owned, **budget}
 
     def model_label(self, model: str | None) -> str:
         """``model`` as a metric label: only names a replica serves; any other as "other" (a client's

@@ -145,3 +145,26 @@ def test_equally_loaded_replicas_are_named_least_loaded_in_turn_not_by_name():
 def test_the_least_loaded_are_named_before_any_busier_replica():
     standings = [(0.5 if i % 2 else 0.0, 0, f"r{i:02d}", frozenset({"tiny"}), 16) for i in range(64)]
     assert all(int(n[1:]) % 2 == 0 for n in least_named(standings))
+
+
+def test_a_router_spaces_out_its_checks_to_keep_its_idle_cpu_within_max_idle_cpu(cluster):
+    from support.waiting import wait_until
+    replicas = fleet(cluster)  # 40 replicas: 88 control requests a second at the default intervals
+    rt = cluster.router([], config={"replicas": replicas, "health": {"max_idle_cpu": 0.002}})
+
+    def budget():
+        return HTTP.get(rt.url + "/admin/replicas", timeout=2).json()["health_checks"]["budget"]
+
+    wait_until(lambda: budget()["idle_windows_measured"] >= 1, timeout=20)
+    measured = budget()
+    # 0.2% of a core buys fewer than the floor of 10 a second at any cost a check has on this machine
+    assert measured["cpu_ms_per_request"] > 0 and measured["requests_per_s"] == 10.0
+    time.sleep(2.0)  # the pauses taken before the budget was measured run out
+
+    def health_checks():
+        return sum(HTTP.get(r["url"] + "/sim/state", timeout=2).json()["counters"]["health_checks"]
+                   for r in replicas)
+    before = health_checks()
+    time.sleep(5.0)
+    per_s = (health_checks() - before) / 5.0
+    assert per_s < 12  # 10 control requests a second: ~4.5 health checks (at 80 a second: ~36)
