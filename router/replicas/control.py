@@ -87,7 +87,8 @@ class Control:
         self.instance = instance  # this router's id (router.hops): a replica answering with it is this router
         self._checked: set[str] = set()  # replicas whose first health check is done
         self.first_round = asyncio.Event()  # every replica checked once
-        self.budget = ControlBudget(config, lambda: (load.taken, load.released))
+        self.budget = ControlBudget(config, lambda: (load.taken, load.released), on_change=self._respace)
+        self._plans: dict[str, list[float]] = {}  # replica -> when its next check and scrape are planned
 
     def connection(self, url: str) -> UpstreamPool:
         """A replica's control connection: kept alive between rounds for up to ``proxy.upstream_idle_s``."""
@@ -152,9 +153,12 @@ class Control:
         where the fleet would otherwise need more control requests a second than the budget (:attr:`budget`).
         A health check is two requests (/health, /v1/models) while the fleet fits in that budget; beyond it,
         /v1/models goes with every :data:`MODELS_EVERY` th check only (see :meth:`_models_due`)."""
+        return max(1.0, self._checked_share() * self._per_replica() / self.budget.rate())
+
+    def _per_replica(self) -> float:
+        """Control requests a second a replica takes at the configured intervals, past the budget."""
         h = self.config
-        per_replica = (1.0 + 1.0 / MODELS_EVERY) / h.interval_s + 1.0 / h.metrics_interval_s
-        return max(1.0, self._checked_share() * per_replica / self.budget.rate())
+        return (1.0 + 1.0 / MODELS_EVERY) / h.interval_s + 1.0 / h.metrics_interval_s
 
     def _checked_share(self) -> float:
         """How many replicas' worth of checks this router makes at the configured rates: the fleet, or with
@@ -177,45 +181,77 @@ class Control:
             return interval * self.spacing() * (1 if shared.owns(r) else shared.routers)
         return interval * self.load.workers * self.spacing()
 
+    def next_check_in(self, name: str) -> float | None:
+        """Seconds until the replica's next health check is planned (None: its checks are not running)."""
+        plan = self._plans.get(name)
+        return None if plan is None else max(0.0, plan[0] - asyncio.get_running_loop().time())
+
+    def _respace(self, old_rate: float, new_rate: float) -> None:
+        """The control budget moved from ``old_rate`` to ``new_rate`` requests a second: the checks and scrapes
+        already planned come as many times later (or sooner) from now, so that the fleet meets the new rate at
+        once, spread as before, rather than after one more old pause with a gap and a burst."""
+        need = self._checked_share() * self._per_replica()
+        ratio = max(1.0, need / new_rate) / max(1.0, need / old_rate)
+        if ratio == 1.0:
+            return
+        now = asyncio.get_running_loop().time()
+        for plan in self._plans.values():
+            for kind, at in enumerate(plan):
+                if at > now:
+                    plan[kind] = now + (at - now) * ratio
+
     async def loop(self, r: Replica) -> None:
         """Health checks and /metrics scrapes of one replica, one after the other on its control connection
         (one kept-alive connection for both). Every worker checks at start; the next check and scrape come at a
         random point within one pause (staggered by worker), so that a fleet checked at start is not checked in
-        one burst ever after, then every pause; each pause follows the fleet's size at the time."""
+        one burst ever after, then every pause; each pause follows the fleet's size at the time, and a change
+        of the control budget moves the checks already planned (:meth:`_respace`)."""
         h = self.config
         loop = asyncio.get_running_loop()
-        offset = lambda interval: random.uniform(0.0, self._pause(interval, r)) + interval * self.load.worker  # noqa: E731
-        now = loop.time()
-        next_check = next_scrape = now
-        scraped = False
-        while True:
-            if now >= next_check:
-                if self.shared is None or not self.shared.defers(r):
-                    try:
-                        await self.check(r)
-                    except Exception:  # keep checking whatever happens
-                        log.exception("health check of %s crashed", r.name)
-                if r.name not in self._checked:
-                    self._checked.add(r.name)
-                    if len(self._checked) >= len(self.replicas):
-                        self.first_round.set()
-                    next_check = now + offset(h.interval_s)
-                else:
-                    next_check = now + self._pause(h.interval_s, r)
-            if now >= next_scrape:
-                if r.state != "unready":
-                    try:
-                        self.budget.count()
-                        await self.scrape(r)
-                    except Exception:
-                        log.exception("metrics scrape of %s crashed", r.name)
-                if h.metrics_interval_s == h.interval_s:
-                    # right after the check, on the connection it left open: a fleet checked less often than the
-                    # replicas keep idle connections (5 s in vLLM) opens one connection per round, not two
-                    next_scrape = next_check
-                else:
-                    next_scrape = now + (self._pause(h.metrics_interval_s, r) if scraped else offset(h.metrics_interval_s))
-                scraped = True
-            now = loop.time()
-            await asyncio.sleep(max(0.0, min(next_check, next_scrape) - now))
-            now = loop.time()
+        together = h.metrics_interval_s == h.interval_s  # each scrape right after its check
+        intervals = (h.interval_s, h.metrics_interval_s)
+        start = loop.time()
+        # per kind (check, scrape): when the next one is planned (read and moved by _respace), when the last
+        # one began, and whether the first after start (at a random point within a pause) is still to come
+        plan = self._plans[r.name] = [start, start]
+        last = [start, start]
+        first = [True, True]
+
+        def following(kind: int) -> float:
+            pause = self._pause(intervals[kind], r)
+            if first[kind]:
+                first[kind] = False
+                return last[kind] + random.uniform(0.0, pause) + intervals[kind] * self.load.worker
+            return last[kind] + pause
+
+        try:
+            while True:
+                now = loop.time()
+                checked = now >= plan[0]
+                if checked:
+                    if self.shared is None or not self.shared.defers(r):
+                        try:
+                            await self.check(r)
+                        except Exception:  # keep checking whatever happens
+                            log.exception("health check of %s crashed", r.name)
+                    if r.name not in self._checked:
+                        self._checked.add(r.name)
+                        if len(self._checked) >= len(self.replicas):
+                            self.first_round.set()
+                    last[0] = now
+                    plan[0] = following(0)
+                # together: right after the check, on the connection it left open (a fleet checked less often than
+                # the replicas keep idle connections, 5 s in vLLM, opens one connection per round, not two)
+                if checked if together else now >= plan[1]:
+                    if r.state != "unready":
+                        try:
+                            self.budget.count()
+                            await self.scrape(r)
+                        except Exception:
+                            log.exception("metrics scrape of %s crashed", r.name)
+                    last[1] = now
+                    plan[1] = plan[0] if together else following(1)
+                await asyncio.sleep(max(0.0, min(plan) - loop.time()))
+        finally:
+            if self._plans.get(r.name) is plan:
+                del self._plans[r.name]

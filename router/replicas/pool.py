@@ -210,6 +210,8 @@ class ReplicaPool:
         others = self.shared.others(r.name) if self.shared is not None else (0, 0)
         out["other_routers_inflight"], out["other_routers_pending_prefill_tokens"] = others
         out["load"] = out["inflight"] + others[0] + r.external_load
+        next_check = self.control.next_check_in(r.name)
+        out["next_check_in_s"] = None if next_check is None else round(next_check, 1)
         if self.shared_health is not None:  # who checks it: with shared checks, one router at the full rate
             out["checked_by"] = self.shared_health.owner(r.name) if self.shared_health.active else None
             out["checked_here"] = self.shared_health.owns(r)

@@ -168,3 +168,22 @@ def test_a_router_spaces_out_its_checks_to_keep_its_idle_cpu_within_max_idle_cpu
     time.sleep(5.0)
     per_s = (health_checks() - before) / 5.0
     assert per_s < 12  # 10 control requests a second: ~4.5 health checks (at 80 a second: ~36)
+
+
+def test_a_lower_control_budget_moves_the_checks_already_planned():
+    import asyncio
+
+    async def main():
+        pool = pool_of(1024)  # 80 control requests a second: each replica every 28.16 pauses
+        task = asyncio.create_task(pool.control.loop(pool.replicas["r0"]))
+        await asyncio.sleep(0.3)  # its first check done (nothing listens there), the next planned within a pause
+        before = pool.describe(pool.replicas["r0"])["next_check_in_s"]
+        pool.control.budget.observe(cpu_s=0.4, requests=100, idle=True)  # 4 ms each: 10 a second buy 4% of a core
+        after = pool.describe(pool.replicas["r0"])["next_check_in_s"]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return before, after
+
+    before, after = asyncio.run(main())
+    assert 0 < before < 28.2
+    assert after == pytest.approx(8 * before, abs=0.5)  # 225.28 pauses apart now, from now on

@@ -43,6 +43,22 @@ def test_a_window_of_too_few_control_requests_teaches_nothing():
     assert b.cost_s is None
 
 
+def test_a_window_that_sent_fewer_than_the_budget_allowed_teaches_nothing():
+    b = budget(max_idle_cpu=0.04, max_requests_per_s=80)
+    b.observe(cpu_s=0.1, requests=100, idle=True, allowed=400)  # a fleet within its budget: fixed costs dominate
+    assert b.cost_s is None
+    b.observe(cpu_s=0.1, requests=300, idle=True, allowed=400)
+    assert b.cost_s == pytest.approx(0.1 / 300)
+
+
+def test_a_move_of_the_budget_is_told_with_the_rates_before_and_after():
+    moves = []
+    b = ControlBudget(HealthConfig(max_idle_cpu=0.04), lambda: (0, 0), on_change=lambda *m: moves.append(m))
+    b.observe(cpu_s=0.1, requests=100, idle=True)  # 1 ms each: 40 a second
+    b.observe(cpu_s=0.1, requests=100, idle=True)  # the same: no move
+    assert moves == [(80.0, pytest.approx(40.0))]
+
+
 def test_the_cost_is_the_median_of_the_last_samples_so_a_spike_does_not_swing_it():
     b = budget(max_idle_cpu=0.04)
     for cpu_s in (0.1, 0.1, 5.0):  # 1 ms, 1 ms, then a window of other work: 50 ms
