@@ -87,7 +87,8 @@ class Control:
         self.instance = instance  # this router's id (router.hops): a replica answering with it is this router
         self._checked: set[str] = set()  # replicas whose first health check is done
         self.first_round = asyncio.Event()  # every replica checked once
-        self.budget = ControlBudget(config, lambda: (load.taken, load.released), on_change=self._respace)
+        self.budget = ControlBudget(config, lambda: (load.taken, load.released), on_change=self._respace,
+                                    workers=load.workers)
         self._plans: dict[str, list[float]] = {}  # replica -> when its next check and scrape are planned
 
     def connection(self, url: str) -> UpstreamPool:

@@ -46,12 +46,14 @@ class ControlBudget:
     """This process's control budget (:meth:`rate`), from the CPU its control requests were measured to cost.
 
     ``served``: requests this process has started and finished so far (read to tell an idle window);
-    ``cpu``: this process's CPU seconds so far (all its threads)."""
+    ``cpu``: this process's CPU seconds so far (all its threads); ``workers``: the router's worker processes,
+    which share the budget (each sends its share of the checks, and measures what its own cost)."""
 
     def __init__(self, config: HealthConfig, served: Callable[[], tuple[int, int]],
                  cpu: Callable[[], float] = time.process_time,
-                 on_change: Callable[[float, float], None] | None = None) -> None:
+                 on_change: Callable[[float, float], None] | None = None, workers: int = 1) -> None:
         self.config = config
+        self.workers = max(1, workers)
         self._served = served
         self._cpu = cpu
         self._on_change = on_change  # told (old rate, new rate) when the budget moves
@@ -101,7 +103,8 @@ class ControlBudget:
         """Measure window after window, for as long as the router runs (the first, start-up's, left out)."""
         await asyncio.sleep(WINDOW_S)
         while True:
-            cpu0, sent0, before, allowed = self._cpu(), self.sent, self._served(), self.rate() * WINDOW_S
+            cpu0, sent0, before = self._cpu(), self.sent, self._served()
+            allowed = self.rate() * WINDOW_S / self.workers  # this process's share
             await asyncio.sleep(WINDOW_S)
             after = self._served()
             self.observe(self._cpu() - cpu0, self.sent - sent0, idle=after == before and after[0] == after[1],

@@ -107,3 +107,24 @@ def test_the_budget_measures_window_after_window_while_no_request_is_served(monk
     assert b.samples == measured
     assert b.cost_s == pytest.approx(0.002)  # 0.1 s over 50 requests
     assert b.rate() == pytest.approx(25.0)
+
+
+def test_each_worker_process_is_held_to_its_share_of_the_budget(monkeypatch):
+    monkeypatch.setattr(control_budget, "WINDOW_S", 0.02)
+    clock = {"cpu": 0.0}
+    b = ControlBudget(HealthConfig(max_requests_per_s=1000, max_idle_cpu=0.04), lambda: (0, 0),
+                      cpu=lambda: clock["cpu"], workers=4)
+
+    async def main():
+        task = asyncio.create_task(b.run())
+        await asyncio.sleep(0.025)  # past the first window (left out)
+        for _ in range(4):  # a worker of four sends a quarter of the 20 the budget allows per window
+            await asyncio.sleep(0.005)
+            b.count(6)
+            clock["cpu"] += 0.006  # 1 ms each
+            await asyncio.sleep(0.02)
+        task.cancel()
+
+    monkeypatch.setattr(control_budget, "MIN_REQUESTS", 1)
+    asyncio.run(main())
+    assert b.samples >= 1 and b.cost_s == pytest.approx(0.001)
