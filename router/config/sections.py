@@ -39,7 +39,9 @@ class HealthConfig(_Model):
     stall_s: float = Field(7.0, gt=0, description="a replica that has answered none of the requests waiting on it "
                            "for this long, while its /metrics show its engine making no progress (accepts requests, "
                            "answers none), is taken out like an ejected one, and the requests waiting on it are sent "
-                           "to another replica (out within stall_s plus one metrics_interval_s; raise it where an "
+                           "to another replica (out within stall_s plus one metrics_interval_s, on a large fleet too: "
+                           "such a replica is scraped at that interval however far apart the control budget spaces "
+                           "the others; raise it where an "
                            "engine may compile for longer without counting a token, as Gaudi's lazy mode can on a "
                            "new shape)")
     shared: bool = Field(True, description="with a Redis index: the routers on it share the checks. Each replica "

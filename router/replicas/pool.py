@@ -73,7 +73,7 @@ class ReplicaPool:
         for cfg in configs:
             self.replicas[cfg.name] = self._make(cfg)
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
-        self._budget_task: asyncio.Task[None] | None = None
+        self._background: list[asyncio.Task[None]] = []  # the control budget's measurements, the stall watch
         self.freed = FreedMemory()
         self._started = False
 
@@ -93,7 +93,8 @@ class ReplicaPool:
         self._started = True
         if self.shared_health is not None:
             await self.shared_health.start()  # which replicas are this router's to check
-        self._budget_task = asyncio.create_task(self.control.budget.run(), name="control-budget")
+        self._background = [asyncio.create_task(self.control.budget.run(), name="control-budget"),
+                            asyncio.create_task(self.control.watch(), name="stall-watch")]
         for r in self.replicas.values():
             self._spawn(r)
         if self.replicas:
@@ -106,9 +107,8 @@ class ReplicaPool:
         if self.shared_health is not None:
             await self.shared_health.close()  # the others take this router's replicas at once
         tasks = [t for ts in self._tasks.values() for t in ts]
-        if self._budget_task is not None:
-            tasks.append(self._budget_task)
-            self._budget_task = None
+        tasks += self._background
+        self._background = []
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -302,3 +302,24 @@ def test_a_replica_that_accepts_requests_and_answers_none_leaves_rotation_and_it
     assert all(replica == f"127.0.0.1:{good.port}" for _, _, replica in took)
     assert max(t for t, _, _ in took) < 7, took
     assert "stalled" in replicas_view(rt)[hung.url]["last_error"]
+
+
+def test_a_replica_that_answers_none_leaves_as_soon_where_the_control_budget_spaces_the_scrapes_out(cluster):
+    """A budget of one control request in 10 s: each replica is checked and scraped about every 44 s, yet the
+    replica whose requests wait unanswered is scraped at the configured interval and leaves within stall_s and
+    a scrape or two."""
+    hung, good = cluster.sim(), cluster.sim()
+    rt = cluster.router([hung, good], "--policy", "round-robin", "--set", "health.stall_s=3",
+                        "--set", "health.max_requests_per_s=0.1")
+    assert HTTP.get(rt.url + "/admin/replicas", timeout=2).json()["health_checks"]["spacing"] > 40
+    set_faults(hung, hang=True)
+    threads = [threading.Thread(target=complete, args=(rt.url,), kwargs={"prompt": f"question {i}"})
+               for i in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    out_after = wait_until(lambda: replicas_view(rt)[hung.url]["state"] == "unready", timeout=12)
+    for t in threads:
+        t.join(timeout=20)
+    assert out_after < 7  # stall_s (3), a look over the replicas (1 s) and a scrape or two
+    assert "stalled" in replicas_view(rt)[hung.url]["last_error"]
