@@ -277,6 +277,18 @@ def test_a_replica_that_accepts_and_never_answers_costs_a_stream_only_the_header
     assert replicas_view(rt)[hung.url]["state"] == "unready"
 
 
+def out_while_waiting(rt, hung, clients, timeout):
+    """Start the clients 0.2 s apart; seconds from the last start until ``hung`` is out of rotation (then they are
+    joined)."""
+    for t in clients:
+        t.start()
+        time.sleep(0.2)
+    out_after = wait_until(lambda: replicas_view(rt)[hung.url]["state"] == "unready", timeout=timeout)
+    for t in clients:
+        t.join(timeout=20)
+    return out_after
+
+
 def test_a_replica_that_accepts_requests_and_answers_none_leaves_rotation_and_its_waiting_clients_move(cluster):
     """Its /health still answers 200. After health.stall_s without an answer and without engine progress it is
     out, and the requests waiting on it complete on the other replica: none waits for request_timeout_s."""
@@ -290,13 +302,7 @@ def test_a_replica_that_accepts_requests_and_answers_none_leaves_rotation_and_it
         r = complete(rt.url, prompt=f"question {i}")
         took.append((time.monotonic() - t0, r.status_code, r.headers.get("x-kvroute-replica", "")))
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-        time.sleep(0.2)
-    out_after = wait_until(lambda: replicas_view(rt)[hung.url]["state"] == "unready", timeout=10)
-    for t in threads:
-        t.join(timeout=20)
+    out_after = out_while_waiting(rt, hung, [threading.Thread(target=client, args=(i,)) for i in range(8)], 10)
     assert out_after < 6  # stall_s (3) plus a scrape or two
     assert all(status == 200 for _, status, _ in took) and len(took) == 8, took
     assert all(replica == f"127.0.0.1:{good.port}" for _, _, replica in took)
@@ -313,13 +319,7 @@ def test_a_replica_that_answers_none_leaves_as_soon_where_the_control_budget_spa
                         "--set", "health.max_requests_per_s=0.1")
     assert HTTP.get(rt.url + "/admin/replicas", timeout=2).json()["health_checks"]["spacing"] > 40
     set_faults(hung, hang=True)
-    threads = [threading.Thread(target=complete, args=(rt.url,), kwargs={"prompt": f"question {i}"})
-               for i in range(4)]
-    for t in threads:
-        t.start()
-        time.sleep(0.2)
-    out_after = wait_until(lambda: replicas_view(rt)[hung.url]["state"] == "unready", timeout=12)
-    for t in threads:
-        t.join(timeout=20)
+    out_after = out_while_waiting(rt, hung, [threading.Thread(
+        target=complete, args=(rt.url,), kwargs={"prompt": f"question {i}"}) for i in range(4)], 12)
     assert out_after < 7  # stall_s (3), a look over the replicas (1 s) and a scrape or two
     assert "stalled" in replicas_view(rt)[hung.url]["last_error"]
