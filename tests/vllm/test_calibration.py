@@ -20,6 +20,6 @@ def test_the_cpu_profile_reproduces_real_vllms_prefix_cache_hit_rate_on_the_same
 
 
 def test_the_cpu_profile_measured_on_this_machine_reproduces_real_vllms_median_time_to_first_token(compared, figure):
-    real, sim = compared["real vLLM"], compared["cpu profile measured in this run"]
+    sim = compared["cpu profile measured in this run"]
     figure({name: {k: round(v, 3) for k, v in r.items()} for name, r in compared.items()})
-    assert 0.75 <= sim["ttft_p50_ms"] / real["ttft_p50_ms"] <= 1.25, compared
+    assert 0.75 <= sim["ttft_p50_vs_real"] <= 1.25, compared  # turn by turn: the machine's speed moves
