@@ -6,7 +6,7 @@ import sys
 
 import yaml
 
-from loadtest.cluster_bench import update_readme
+from loadtest.cluster_bench import update_readme, verdicts
 
 
 def test_a_small_mixed_cluster_benchmark_writes_its_tables_and_skips_what_is_not_installed(tmp_path):
@@ -59,3 +59,22 @@ def test_a_runs_section_of_the_readme_is_replaced_between_its_markers(tmp_path):
     body = readme.read_text()
     assert body.count("<!-- cluster-bench:default -->") == 1 and "second table" in body and "first table" not in body
     assert body.index("second table") < body.index("another") and body.startswith("# Title\n\ntext\n")
+
+
+def _run(router, p90, pinned=False):
+    row = {"load_fraction": 0.7, "ttft_p90_ms": p90, "output_tokens_per_s": 100.0, "errors": 0, "max_mean_share": 1.0}
+    return {"router": router, "rows": [row], **({"pinned": True} if pinned else {})}
+
+
+def test_the_report_holds_one_and_several_kvroute_instances_to_the_pinned_target_where_one_is_set():
+    results = [_run("kvroute", 44.0), _run("kvroute-redis-4", 46.6), _run("sglang-router", 47.0),
+               _run("pinned", 43.0, pinned=True)]
+    lines = "\n".join(verdicts(results, targets={"vs_best_other": None, "vs_pinned": 1.05}))
+    assert "kvroute's is 1.02x that, kvroute-redis-4's 1.08x (target <= 1.05 for each: NOT met)" in lines
+    assert "0.94x (no target here)" in lines
+
+
+def test_the_report_holds_kvroute_to_half_the_best_other_router_unless_told_otherwise():
+    lines = "\n".join(verdicts([_run("kvroute", 40.0), _run("vllm-router", 100.0), _run("pinned", 45.0, pinned=True)]))
+    assert "0.40x (target <= 0.5: met)" in lines
+    assert "for each" not in lines
