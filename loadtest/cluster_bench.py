@@ -313,13 +313,13 @@ def verdicts(results: list[dict[str, Any]], mixed: bool = False, targets: dict[s
         line = (f"- Reference, {pinned['router']} (each group or conversation sent straight to one replica, no "
                 f"router): TTFT p90 {ref70['ttft_p90_ms']:.0f} ms at 70% of saturation; kvroute's is "
                 f"{at70['ttft_p90_ms'] / ref70['ttft_p90_ms']:.2f}x that")
-        several = [(r["router"], _row_at(r, 0.7)) for r in results
-                   if r["router"].startswith("kvroute-redis-") and _row_at(r, 0.7)]
-        line += "".join(f", {name}'s {row['ttft_p90_ms'] / ref70['ttft_p90_ms']:.2f}x" for name, row in several
-                        if row["ttft_p90_ms"])
+        ref = ref70["ttft_p90_ms"]
+        several = [(r["router"], row["ttft_p90_ms"]) for r in results
+                   if r["router"].startswith("kvroute-redis-") and (row := _row_at(r, 0.7))]
+        line += "".join(f", {name}'s {p90 / ref:.2f}x" for name, p90 in several if p90)
         if goal:
-            worst = max([at70["ttft_p90_ms"]] + [row["ttft_p90_ms"] or float("inf") for _, row in several])
-            line += f" (target <= {goal:g} for each: {'met' if worst / ref70['ttft_p90_ms'] <= goal else 'NOT met'})"
+            worst = max([at70["ttft_p90_ms"]] + [p90 or float("inf") for _, p90 in several])
+            line += f" (target <= {goal:g} for each: {'met' if worst / ref <= goal else 'NOT met'})"
         line += "."
         if best70[0]:
             half = best70[0]["ttft_p90_ms"] / 2
