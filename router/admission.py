@@ -138,6 +138,23 @@ class Admission:
         now = time.monotonic()
         self._release_interval = 0.9 * self._release_interval + 0.1 * (now - self._last_release)
         self._last_release = now
+        self._give_back(name)
+
+    def move(self, req: RouteRequest, name: str) -> ReplicaView | None:
+        """Choose again for ``req``, which holds a slot on ``name`` (the other routers' figures there changed since
+        it was chosen): the replica the policy prefers now, its slot taken and the one on ``name`` given back; None
+        where that is ``name`` still (or its slot is gone since)."""
+        try:
+            view, _ = self.policy.choose(req, self.views(req.candidates))
+        except NoCandidate:
+            return None
+        if view.name == name or not self.load.take(view.name, view.max_num_seqs - view.routers_inflight):
+            return None
+        self._give_back(name)
+        return view
+
+    def _give_back(self, name: str) -> None:
+        """A slot on ``name`` is free: the first waiter in line this replica can serve takes it over."""
         self.load.release(name)
         if self._size:
             if self._elsewhere_first():

@@ -117,6 +117,11 @@ class Metrics:
             "kvroute_routing_decisions", "Routing decisions by reason: cache (went where the longest cached "
             "prefix is), load (no cached prefix, or load outweighed it), fallback (shared index unavailable).",
             ["reason"], registry=r)
+        self.claims = Counter(
+            "kvroute_shared_load_claims", "Placements of a long prefill published and checked against the other "
+            "routers' figures before the request was sent (shared_load.claim_min_tokens), by outcome: kept (no other "
+            "router placed prefill there unseen), moved (one had: chosen again, elsewhere), stayed (one had, and the "
+            "replica was still the best), unanswered (Redis did not answer in time).", ["outcome"], registry=r)
         self.index_lookup = Histogram(
             "kvroute_index_lookup_seconds", "Prefix index lookup time per request.",
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1), registry=r)

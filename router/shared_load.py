@@ -9,6 +9,13 @@ placed or finished, at most every ``shared_load.min_interval_s``, 10 ms) and eve
 (100 ms) else, and reads the others' in the same round trip. A decision whose picture is older than
 ``shared_load.max_age_s`` (20 ms) has it read again first, beside its prefix lookup.
 
+Two routers deciding within the same few milliseconds still both see a replica free: each decides before the
+other's publication. So a decision that puts a long prefill on a replica (at least
+``shared_load.claim_min_tokens`` uncached tokens, 512) while other hosts' routers are in the picture *claims*
+it before its request is sent: one round trip publishes this router's figures there and reads the others'
+there (:meth:`SharedLoad.claim`). Redis runs the two claims one after the other, so the second learns of the
+first, and its decision chooses again with that figure (:meth:`router.admission.Admission.move`).
+
 Keys (one hash tag, so one slot in Redis Cluster): ``NS:{NS:load}:routers``, a sorted set of router ids
 scored by the time (ms) their figures expire, and ``NS:{NS:load}:r:ID``, a hash of replica name ->
 ``"INFLIGHT PENDING"`` holding only the replicas where that router has something, expiring with it. The same
@@ -41,19 +48,20 @@ log = logging.getLogger("kvroute.shared_load")
 
 # Publish this router's changed figures and read the others'. KEYS[1] the routers' sorted set, KEYS[2] this
 # router's hash. ARGV: now (ms), ttl (ms), own id, own host prefix ("HOST."), the others' hash key prefix,
-# n, then n (replica, "INFLIGHT PENDING") pairs to set, then the replicas to delete. Returns the other
-# hosts' (replica, figures) pairs, flat.
+# n, then n (replica, "INFLIGHT PENDING") pairs to set, then the replicas to delete. Returns the number of other
+# hosts' routers, then their (replica, figures) pairs, flat.
 _TICK = LUA_HASH_CHANGES + LUA_PRESENT + """
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local id, host, prefix = ARGV[3], ARGV[4], ARGV[5]
 hash_changes(KEYS[2], tonumber(ARGV[6]), 7)
 redis.call('PEXPIRE', KEYS[2], ttl)
 present(KEYS[1], now, ttl, id)
-local out = {}
+local out = {0}
 for _, other in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   if other ~= id then
     local flat = redis.call('HGETALL', prefix .. other)
     if string.sub(other, 1, #host) ~= host then
+      out[1] = out[1] + 1
       for k = 1, #flat do out[#out + 1] = flat[k] end
     else  -- this host's other workers: their replica figures are shared in memory, their tenants' are not
       for k = 1, #flat - 1, 2 do
@@ -63,6 +71,29 @@ for _, other in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   end
 end
 return out
+"""
+
+# A placement checked before its request is sent: this router's figures for one replica set (ARGV[6], ARGV[7]; ""
+# deletes), and the other hosts' figures there summed, in the same round trip. KEYS and ARGV[1..5] as in _TICK.
+# Returns {requests in flight, pending prefill tokens}.
+_CLAIM = LUA_PRESENT + """
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local id, host, prefix, replica = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+if ARGV[7] == '' then redis.call('HDEL', KEYS[2], replica) else redis.call('HSET', KEYS[2], replica, ARGV[7]) end
+redis.call('PEXPIRE', KEYS[2], ttl)
+present(KEYS[1], now, ttl, id)
+local inflight, pending = 0, 0
+for _, other in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if other ~= id and string.sub(other, 1, #host) ~= host then
+    local v = redis.call('HGET', prefix .. other, replica)
+    local a, b = string.match(v or '', '^(-?%d+) (-?%d+)')
+    if a then
+      inflight = inflight + math.max(0, tonumber(a))
+      pending = pending + math.max(0, tonumber(b))
+    end
+  end
+end
+return {inflight, pending}
 """
 
 Figures = tuple[int, int]  # requests in flight, pending prefill tokens
@@ -89,6 +120,9 @@ class SharedLoad:
         self._prefix = store.keys.load_prefix()
         self._mine = self._prefix + self.id
         self._script = redis.script(_TICK)
+        self._claim = redis.script(_CLAIM)
+        self._peers = 0  # other hosts' routers in the picture at the last read
+        self._again: set[str] = set()  # replicas a claim set in Redis: the next round sends their figures again
         self._others: dict[str, Figures] = {}
         self._others_at = 0.0  # monotonic time of the last good read
         self._published: dict[str, Figures] = {}
@@ -114,6 +148,34 @@ class SharedLoad:
     def others(self, replica: str) -> Figures:
         """The other routers' requests in flight and pending prefill tokens on ``replica``."""
         return self._others.get(replica, _NONE)
+
+    def contended(self) -> bool:
+        """Whether other hosts' routers were in the picture at the last read (and Redis answered it)."""
+        return self._peers > 0 and not self._down
+
+    async def claim(self, replica: str) -> Figures | None:
+        """Publish this router's figures for ``replica`` now and read the other routers' there, in one round trip:
+        of two routers that place onto one replica within the same few milliseconds (each before the other's
+        publication), the second learns of the first here, before its request is sent. The others' figures there
+        join the picture. None where Redis did not answer within a prefix lookup's wait."""
+        inflight, pending = self.load.own_figures(replica) if replica in self.load else _NONE
+        figures = f"{inflight} {pending}" if inflight or pending else ""
+        self._again.add(replica)  # Redis may apply this after a round sent earlier: the next round sets it again
+        try:
+            async with asyncio.timeout(self._read_timeout):
+                reply = await self.redis.evalsha(self._claim, [self._routers, self._mine], [
+                    int(time.time() * 1000), int(self.cfg.ttl_s * 1000), self.id, self.host, self._prefix, replica,
+                    figures])
+            fresh: Figures = (max(0, int(reply[0])), max(0, int(reply[1])))
+        except Exception:
+            return None  # the loop logs Redis failures
+        finally:
+            self._changed.set()
+        if fresh == _NONE:
+            self._others.pop(replica, None)
+        else:
+            self._others[replica] = fresh
+        return fresh
 
     def mark_peak(self, replica: str) -> None:
         """Start counting the most requests the other routers have on ``replica`` (a scrape of it is sent)."""
@@ -216,16 +278,17 @@ class SharedLoad:
         """One round trip: this router's changed figures out, the others' in."""
         sent_at = time.monotonic()
         load = self.load
+        again, self._again = self._again, set()
         if self._resend:
             names = set(load.names) | {n for n in self._published if not n.startswith("~")} | load.take_touched()
         else:
-            names = load.take_touched()
+            names = load.take_touched() | again
         sets: list[Any] = []
         gone: list[str] = []
         published = self._published
         for name in names:
             now = load.own_figures(name) if name in load else _NONE
-            if now == published.get(name, _NONE) and not self._resend:
+            if now == published.get(name, _NONE) and not self._resend and name not in again:
                 continue
             if now == _NONE:
                 gone.append(name)
@@ -254,7 +317,8 @@ class SharedLoad:
         self._resend = False
         others: dict[str, Figures] = {}
         tenant_others: dict[str, tuple[int, int, int]] = {}
-        for i in range(0, len(flat) - 1, 2):
+        self._peers = int(flat[0])
+        for i in range(1, len(flat) - 1, 2):
             try:
                 name = flat[i].decode()
                 if name.startswith("~"):  # a tenant's requests in flight, usage and requests waiting there

@@ -148,6 +148,12 @@ class SharedLoadConfig(_Model):
                              "index.timeout_s), so it sees what they placed since")
     ttl_s: float = Field(3.0, gt=0, le=600, description="a router's figures expire this long after its last "
                          "publication: a router that stops leaves no phantom load for longer")
+    claim_min_tokens: int | None = Field(512, ge=0, description="a decision that puts at least this many "
+                                         "uncached prompt tokens on a replica, while other routers share the picture, "
+                                         "publishes its placement and reads the others' figures there in one round "
+                                         "trip before the request is sent, and chooses again where another router "
+                                         "placed prefill there unseen (two decisions within the same few "
+                                         "milliseconds); null: never")
 
 
 class CandidatesConfig(_Model):

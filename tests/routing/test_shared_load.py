@@ -107,3 +107,54 @@ def test_a_killed_routers_requests_leave_the_picture_within_its_ttl(cluster, sha
     a.kill()
     gone = wait_until(lambda: sum(others(b).values()) == 0, timeout=5)
     assert gone < 2.5  # its figures expire a second after its last publication
+
+
+def hold_long(rt, tags):
+    """A long prompt (thousands of uncached tokens) per tag through ``rt``, held by slow replicas (threads)."""
+    def one(tag):
+        prompt = " ".join(f"{tag}{i} words of its own" for i in range(400))
+        try:
+            HTTP.post(rt.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
+                      timeout=15)
+        except Exception:
+            pass
+    threads = [threading.Thread(target=one, args=(tag,), daemon=True) for tag in tags]
+    for t in threads:
+        t.start()
+    return threads
+
+
+STALE = ("--set", "shared_load.interval_s=10", "--set", "shared_load.min_interval_s=10",
+         "--set", "shared_load.max_age_s=10")  # its picture read once at start: only a claim tells it more
+
+
+def place_behind_a_stale_picture(cluster, shared_url, *b_args):
+    """A places 4 long prompts on the first replica; B, whose picture predates them, then places 3 (one at a
+    time). Returns B's requests per replica (URL)."""
+    sims = [cluster.sim(*SLOW) for _ in range(2)]
+    a = cluster.router([sims[0]], "--index", shared_url)
+    time.sleep(0.3)  # A is in the picture B reads at its start
+    b = cluster.router(sims, "--index", shared_url, *STALE, *b_args)
+    time.sleep(0.3)
+    threads = hold_long(a, "abcd")
+    wait_until(lambda: replicas_view(a)[sims[0].url]["inflight"] == 4, timeout=3)
+    time.sleep(0.1)  # A has published them
+    for n, tag in enumerate("xyz", 1):
+        threads += hold_long(b, [tag])
+        wait_until(lambda: sum(r["inflight"] for r in replicas_view(b).values()) == n, timeout=3)
+    placed = {url: r["inflight"] for url, r in replicas_view(b).items()}
+    for t in threads:
+        t.join()
+    return sims, b, placed
+
+
+def test_a_long_prefill_placed_unseen_by_another_router_moves_its_next_placement_elsewhere(cluster, shared_url):
+    sims, b, placed = place_behind_a_stale_picture(cluster, shared_url)
+    assert placed == {sims[0].url: 0, sims[1].url: 3}
+    metrics = HTTP.get(b.url + "/metrics", timeout=2).text
+    assert 'kvroute_shared_load_claims_total{outcome="moved"}' in metrics
+
+
+def test_without_claims_a_stale_picture_places_onto_another_routers_prefill(cluster, shared_url):
+    sims, _, placed = place_behind_a_stale_picture(cluster, shared_url, "--set", "shared_load.claim_min_tokens=null")
+    assert placed[sims[0].url] >= 1
