@@ -148,13 +148,15 @@ def place_behind_a_stale_picture(cluster, shared_url, *b_args):
     return sims, b, placed
 
 
-def test_a_long_prefill_placed_unseen_by_another_router_moves_its_next_placement_elsewhere(cluster, shared_url):
-    sims, b, placed = place_behind_a_stale_picture(cluster, shared_url)
+# One Redis only: the claim's script is checked on Redis Cluster too in test_shared_load_claims.py
+def test_a_long_prefill_placed_unseen_by_another_router_moves_its_next_placement_elsewhere(cluster, redis_proc):
+    sims, b, placed = place_behind_a_stale_picture(cluster, f"redis://127.0.0.1:{redis_proc.port}/0")
     assert placed == {sims[0].url: 0, sims[1].url: 3}
     metrics = HTTP.get(b.url + "/metrics", timeout=2).text
     assert 'kvroute_shared_load_claims_total{outcome="moved"}' in metrics
 
 
-def test_without_claims_a_stale_picture_places_onto_another_routers_prefill(cluster, shared_url):
-    sims, _, placed = place_behind_a_stale_picture(cluster, shared_url, "--set", "shared_load.claim_min_tokens=null")
+def test_without_claims_a_stale_picture_places_onto_another_routers_prefill(cluster, redis_proc):
+    sims, _, placed = place_behind_a_stale_picture(cluster, f"redis://127.0.0.1:{redis_proc.port}/0",
+                                                   "--set", "shared_load.claim_min_tokens=null")
     assert placed[sims[0].url] >= 1
