@@ -171,8 +171,13 @@ class Decider:
             await self.prepare(req)
         req.prepare_s = 0.0
         view, waited_s = await self._admit(req)
-        if self.shared_load is not None and req.key is not None:
-            view = await self._claim(req, view, self.shared_load)
+        key = req.key
+        keyed = key is not None and self.index is not None and req.model is not None
+        pending = req.uncached(view.name) if keyed else 0
+        if pending:  # with the slot, before any wait: the other routers' next read sees both (router.shared_load)
+            self.load.add_pending(view.name, pending)
+            if self.shared_load is not None:
+                view, pending = await self._claim(req, view, pending, self.shared_load)
         self._m_decision.observe(time.perf_counter() - started - waited_s)
         replica = self.pool.get(view.name)
         assert replica is not None
@@ -180,15 +185,12 @@ class Decider:
         receipts: list[Receipt] = []
         tails: list[int] = []
         reason: str | None = None
-        cached = pending = 0
+        cached = 0
         model = 0.0
         predicted: float | None = None
-        key = req.key
-        if key is not None and self.index is not None and req.model is not None:
+        if keyed:
+            assert key is not None and self.index is not None and req.model is not None
             cached = req.cached.get(name, 0)
-            pending = req.uncached(name)
-            if pending:  # with the slot, before any wait: the other routers' next read sees both (router.shared_load)
-                self.load.add_pending(name, pending)
             if req.index_fallback:
                 reason = "fallback"
             elif cached > 0 and cached >= req.best_cached:
@@ -209,10 +211,8 @@ class Decider:
                         receipts.append(receipt)
             except Exception:  # the index is advice: a request never fails because of it
                 log.exception("prefix index record failed", extra={"request_id": req.request_id})
-            except BaseException:  # cancelled (the client left) before a ticket owns the slot and the pending
-                if pending:
-                    self.load.add_pending(name, -pending)
-                self.admission.release(name, req.rank)
+            except BaseException:
+                self._abandon(req, name, pending)
                 raise
             model = predict.model_s(req, view, self.kv_read_cost)
             predicted = predict.on_line(view, model)
@@ -220,36 +220,43 @@ class Decider:
             self._traced(req, started, waited_s, view, reason, cached, predicted)
         return Ticket(self, req, replica, cached, reason, pending, receipts, tails, model, predicted, view.load)
 
-    async def _claim(self, req: RouteRequest, view: ReplicaView, shared: SharedLoad) -> ReplicaView:
+    def _abandon(self, req: RouteRequest, name: str, pending: int) -> None:
+        """Cancelled (the client left) before a ticket owns the slot on ``name`` and its pending prefill."""
+        if pending:
+            self.load.add_pending(name, -pending)
+        self.admission.release(name, req.rank)
+
+    async def _claim(self, req: RouteRequest, view: ReplicaView, pending: int,
+                     shared: SharedLoad) -> tuple[ReplicaView, int]:
         """Where other routers share the load picture, a placement of a long prefill is published, and the others'
         figures there read, in one round trip before the request is sent (router.shared_load): two routers deciding
         within the same few milliseconds both see the replica free, and the one whose claim Redis ran second
         chooses again, knowing of the first (four routers at the pressure run's knee: TTFT p90 1.32x one router's
-        without claims, 1.08x with them; docs/benchmarks.md)."""
+        without claims, 1.08x with them; docs/benchmarks.md). Returns the replica and the pending prefill counted
+        there (``pending`` on ``view`` as counted by the caller, moved with the slot where the decision moves)."""
         threshold = shared.cfg.claim_min_tokens
-        name = view.name
-        pending = req.uncached(name)
         if threshold is None or pending < max(1, threshold) or not shared.contended():
-            return view
+            return view, pending
+        name = view.name
         seen = shared.others(name)[1]
-        self.load.add_pending(name, pending)  # the figures the claim publishes (route adds it again, wherever)
         try:
             fresh = await shared.claim(name)
-        except BaseException:  # cancelled (the client left) before a ticket owns the slot
-            self.load.add_pending(name, -pending)
-            self.admission.release(name, req.rank)
+        except BaseException:
+            self._abandon(req, name, pending)
             raise
-        self.load.add_pending(name, -pending)
         m = self.metrics
-        if fresh is None:
-            m.child(m.claims, "unanswered").inc()
-            return view
-        if fresh[1] <= seen:
-            m.child(m.claims, "kept").inc()
-            return view
+        if fresh is None or fresh[1] <= seen:
+            m.child(m.claims, "unanswered" if fresh is None else "kept").inc()
+            return view, pending
         moved = self.admission.move(req, name)
         m.child(m.claims, "stayed" if moved is None else "moved").inc()
-        return view if moved is None else moved
+        if moved is None:
+            return view, pending
+        self.load.add_pending(name, -pending)
+        pending = req.uncached(moved.name)
+        if pending:
+            self.load.add_pending(moved.name, pending)
+        return moved, pending
 
     @staticmethod
     def _traced(req: RouteRequest, started: float, waited_s: float, view: ReplicaView, reason: str | None,
