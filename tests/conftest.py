@@ -54,6 +54,16 @@ def shared_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield c.url
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that takes ``shared_url`` runs several routers on one store: it belongs to the ``shared`` marker (before
+    ``-m`` selects), unless it is already in another heavy suite's."""
+    for item in items:
+        if "shared_url" in getattr(item, "fixturenames", ()) and \
+                not any(item.get_closest_marker(m) for m in ("faults", "soak", "fuzz", "vllm", "compose")):
+            item.add_marker(pytest.mark.shared)
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield

@@ -128,6 +128,7 @@ def test_an_overlong_response_id_is_refused_before_any_lookup(three):
     assert len(r.content) < 1000
 
 
+@pytest.mark.shared
 def test_routers_sharing_redis_know_each_others_responses(cluster, redis_proc):
     sims = [cluster.sim(*STORE) for _ in range(3)]
     url = f"redis://127.0.0.1:{redis_proc.port}/0"

@@ -300,6 +300,7 @@ def test_one_router_consumes_a_replicas_events_and_another_takes_over_when_it_di
             assert predicted(r) == cached(r) > 0
 
 
+@pytest.mark.shared
 def test_routers_that_join_later_take_their_share_of_the_event_leases(cluster, model_root, redis_proc):
     sims = [events_sim(cluster, model_root) for _ in range(4)]
     shared = ("--index", f"redis://127.0.0.1:{redis_proc.port}/0", "--set", "kv_events.lease_s=1")

@@ -4,10 +4,14 @@ routers."""
 
 import time
 
+import pytest
+
 from loadtest.cluster import HTTP, free_ports
 from support.processes import FAST
 from support.state import replicas_view
 from support.waiting import wait_until
+
+pytestmark = pytest.mark.shared  # several routers on one Redis
 
 N = 12
 

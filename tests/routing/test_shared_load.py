@@ -4,9 +4,13 @@ at once, not a scrape later, and a router that dies leaves no phantom load behin
 import threading
 import time
 
+import pytest
+
 from loadtest.cluster import HTTP
 from support.state import replicas_view
 from support.waiting import wait_until
+
+pytestmark = pytest.mark.shared  # several routers on one Redis
 
 SLOW = ("--ttft-ms", "4000", "--itl-ms", "1")
 
