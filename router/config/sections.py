@@ -213,6 +213,11 @@ class CacheAwareConfig(_Model):
                                     "throughput) and cache space. A prefix many prompts share (a system prompt) is not "
                                     "priced so: a copy on each replica is how they spread. 0 weighs only this "
                                     "request's own time to first token")
+    stall_weight: float = Field(0.3, ge=0, description="a prompt computed on a replica holds up each request running "
+                                "there (chunked prefill puts its chunks in the steps that decode their tokens): its "
+                                "uncached tokens beyond one step (the replica's max_num_batched_tokens) cost this many "
+                                "times their prefill per request in flight there, so that long prompts go where few "
+                                "streams decode. 0 turns it off")
     kv_read_cost: float = Field(0.0625, ge=0, le=1, description="the decode replica of a split request reads the "
                                 "prompt's KV it lacks instead of computing it: a token read costs this share of a "
                                 "token computed (1/16, about what a 70B model's 320 KiB per token over a Gaudi 2 "

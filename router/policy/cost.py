@@ -29,6 +29,7 @@ class CostTerms(NamedTuple):
     session_s: float  # 0, or minus the bonus for the session's last replica
     returning_s: float  # conversations between turns, expected back
     recompute_s: float  # computing again what another replica holds
+    stall_s: float  # the requests running there, held up while it computes its prompt
 
 
 @register_scorer("predicted-ttft")
@@ -47,6 +48,8 @@ class PredictedTTFTScorer(Scorer):
                      x share of its KV blocks the index holds (if the prompt adds a block)
                    - session_bonus_s if it served this session last
                    + recompute_weight x (prompt tokens another replica holds cached that it lacks) / prefill rate
+                   + stall_weight x load x (uncached prompt tokens beyond one step's max_num_batched_tokens)
+                     / prefill rate
     score = 1 / (1 + cost), each term one field of :class:`CostTerms`. Uncached tokens come from the prefix
     index (``req.cached``). Its
     parameters default to the ``cache_aware`` section of the configuration.
@@ -122,7 +125,14 @@ class PredictedTTFTScorer(Scorer):
             # (weighed alike, conversations under one system prompt piled on its first holder: multi-turn hit
             # rate 0.70-0.74 against 0.78-0.79, TTFT p90 268-387 ms against 112-133)
             recompute = cfg.recompute_weight * held_elsewhere / view.prefill_rate
-        return prefill, shared_step, evict, load, kv, occupied, session, returning, recompute
+        stall = 0.0
+        beyond = missing - view.max_num_batched_tokens
+        if cfg.stall_weight and beyond > 0 and req.phase != "decode" and view.role != "prefill":
+            # the steps that compute its prompt decode the streams running there too: one step's worth delays each
+            # of their tokens once, a longer prompt step after step, and those are the inter-token latency tail
+            # (a replayed trace's 100,000-token first turns; a prefill replica decodes none)
+            stall = cfg.stall_weight * view.load * beyond / view.prefill_rate
+        return prefill, shared_step, evict, load, kv, occupied, session, returning, recompute, stall
 
     def explain(self, req: RouteRequest, view: ReplicaView) -> dict[str, float]:
         terms = self.terms(req, view)

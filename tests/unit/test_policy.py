@@ -191,16 +191,46 @@ def test_a_prefix_many_prompts_share_costs_nothing_to_compute_again_on_another_r
     assert scorer.explain(r, view("other", prefill_tokens_per_s=1000))["recompute_s"] == 0
 
 
+def test_a_prompt_longer_than_a_step_costs_stall_weight_times_the_rest_of_its_prefill_per_request_running_there():
+    r = req(prompt=10_240, cached={"holder": 8192})
+    scorer = PredictedTTFTScorer(CacheAwareConfig(stall_weight=0.5))
+    stall = {n: scorer.explain(r, view(n, inflight=k, prefill_tokens_per_s=1000, max_num_batched_tokens=2048))["stall_s"]
+             for n, k in (("holder", 4), ("busy", 4), ("idle", 0))}
+    assert stall["busy"] == pytest.approx(0.5 * 4 * 8.192)  # 10,240 tokens, all but one step's 2,048, 4 held up
+    assert stall["holder"] == 0  # the 2,048 it computes there fit in one step: each stream waits a step once
+    assert stall["idle"] == 0
+
+
+def test_a_long_first_prompt_goes_where_fewer_streams_decode_at_equal_queues():
+    r = req(prompt=100_000)
+    views = [view(name, inflight=k, prefill_tokens_per_s=10_000, max_num_batched_tokens=8192)
+             for name, k in (("crowded", 12), ("quiet", 2))]
+    scorer = PredictedTTFTScorer(CacheAwareConfig(stall_weight=0.3))
+    assert max(views, key=lambda v: scorer(r, v)).name == "quiet"
+    crowded, quiet = (scorer.explain(r, v)["stall_s"] for v in views)
+    assert crowded - quiet == pytest.approx(0.3 * 10 * 9.1808)  # 10 more streams, held up 9.2 s past the first step
+
+
+def test_a_prefill_replica_and_a_split_requests_decode_hold_up_no_stream():
+    scorer = PredictedTTFTScorer(CacheAwareConfig(stall_weight=0.5))
+    both = view("b", inflight=6, prefill_tokens_per_s=1000)
+    assert scorer.explain(req(prompt=8192), both)["stall_s"] > 0
+    assert scorer.explain(req(prompt=8192), both._replace(role="prefill"))["stall_s"] == 0
+    decode = req(prompt=8192)
+    decode.phase = "decode"
+    assert scorer.explain(decode, both)["stall_s"] == 0
+
+
 def test_the_cost_is_the_sum_of_the_terms_it_explains():
     v = view("a", prefill_tokens_per_s=1000, block_size=16, num_gpu_blocks=100, inflight=8, pending=300,
-             kv_usage=0.95)
+             kv_usage=0.95, max_num_batched_tokens=512)
     r = req(prompt=1030, cached={"a": 256, "b": 512}, occupancy={"a": 0.5}, session="a", returning={"a": 2.5},
             extends=True)
-    scorer = PredictedTTFTScorer()
+    scorer = PredictedTTFTScorer(CacheAwareConfig(stall_weight=0.3))
     parts = scorer.explain(r, v)
     terms = {k: x for k, x in parts.items() if k != "cost_s"}
     assert set(terms) == {"prefill_s", "shared_step_s", "evict_s", "load_s", "kv_s", "occupancy_s", "session_s",
-                          "returning_s", "recompute_s"}
+                          "returning_s", "recompute_s", "stall_s"}
     assert all(x != 0 for k, x in terms.items() if k != "shared_step_s")  # each term has something to say here
     assert parts["cost_s"] == pytest.approx(sum(terms.values())) == pytest.approx(scorer.cost(r, v))
 
