@@ -55,12 +55,13 @@ def shared_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that takes ``shared_url`` runs several routers on one store: it belongs to the ``shared`` marker (before
-    ``-m`` selects), unless it is already in another heavy suite's."""
+    ``-m`` selects), unless it is already in another suite's (the markers pyproject.toml declares)."""
+    suites = [m.split(":", 1)[0] for m in config.getini("markers")]
     for item in items:
         if "shared_url" in getattr(item, "fixturenames", ()) and \
-                not any(item.get_closest_marker(m) for m in ("faults", "soak", "fuzz", "vllm", "compose")):
+                not any(item.get_closest_marker(m) for m in suites):
             item.add_marker(pytest.mark.shared)
 
 
