@@ -136,8 +136,9 @@ def response_headers(call: Call, ticket: Ticket, raw: list[tuple[bytes, bytes]])
         out.append((b"x-kvroute-prefill-replica", call.prefill_replica.encode("latin-1")))
     if ticket.reason is not None:
         out.append((b"x-kvroute-cached-tokens", b"%d" % ticket.cached_tokens))
-    if ticket.predicted_s is not None:
-        out.append((b"x-kvroute-predicted-ttft-ms", b"%.1f" % (ticket.predicted_s * 1e3)))
+    predicted = ticket.predicted_since_arrival_s
+    if predicted is not None:
+        out.append((b"x-kvroute-predicted-ttft-ms", b"%.1f" % (predicted * 1e3)))
     return out
 
 

@@ -85,6 +85,14 @@ class Ticket:
         self.running = running
         self.decided_at = time.perf_counter()  # what the prediction counts from
 
+    @property
+    def predicted_since_arrival_s(self) -> float | None:
+        """The predicted time to first token counted as the client counts it: from when the request arrived (its
+        body read, keyed, queued and any earlier attempt included), not from this decision."""
+        if self.predicted_s is None:
+            return None
+        return self.predicted_s + max(0.0, self.decided_at - self.req.arrived) if self.req.arrived else self.predicted_s
+
     def first_byte(self, status: int, first_token: bool = False) -> None:
         """The replica sent its first byte: the prompt's prefill is no longer pending there. ``first_token``: that
         byte carries the first token (a stream's first event, a prefill's answer), timed against the prediction

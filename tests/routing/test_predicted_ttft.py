@@ -2,7 +2,10 @@
 platform, the recent error, and a line per replica (a fixed part, the model's prefill by a slope) that the
 predictions (and the cost) then use."""
 
+import json
+import socket
 import statistics
+import time
 
 from loadtest.cluster import HTTP
 from prometheus_client.parser import text_string_to_metric_families
@@ -76,3 +79,23 @@ def test_replicas_of_one_kind_short_of_samples_take_their_kinds_correction(clust
     replicas = HTTP.get(rt.url + "/admin/replicas").json()["replicas"]
     assert min(r["ttft_answers_timed"] for r in replicas) < 10
     assert all(r["ttft_fixed_ms"] > 150 for r in replicas)
+
+
+def test_the_predicted_time_counts_from_the_requests_arrival(cluster):
+    """A client counts its time to first token from sending: the time the router spent before deciding (here a
+    body that came 400 ms after its headers) is part of the prediction it is told."""
+    sim = cluster.sim("--ttft-ms", "5", "--itl-ms", "1")
+    rt = cluster.router([sim])
+    body = json.dumps({"model": "tiny", "prompt": "a slow client " * 10, "max_tokens": 2, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", rt.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n" % len(body))
+        time.sleep(0.4)
+        s.sendall(body)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = s.recv(4096)
+            assert chunk, "the router closed the connection"
+            head += chunk
+    fields = dict(line.split(": ", 1) for line in head.split(b"\r\n\r\n")[0].decode().split("\r\n")[1:])
+    assert float(fields["x-kvroute-predicted-ttft-ms"]) >= 400
