@@ -142,7 +142,7 @@ def block_hashes(text: str) -> list[int]:
 
 
 # (text, where it begins in the whole) -> (its ids, where each token starts in the whole), or None
-Window = Callable[[str, int], "tuple[list[int], list[int]] | None"]
+Window = Callable[[str, int], "tuple[Ids, Ids] | None"]
 
 
 def library_window(tok: Any) -> Window:
@@ -233,7 +233,7 @@ class Incremental:
             fresh, places = got
             agree = j - j0
             if agree:
-                if fresh[:agree] != ids[j0:j].tolist() or \
+                if list(fresh[:agree]) != ids[j0:j].tolist() or \
                         any(places[i] != starts[j0 + i] for i in range(agree)):
                     return False
             del ids[j0:], starts[j0:]

@@ -147,11 +147,11 @@ class LocalTokenizer:
                 return self._words_check(text, add_special_tokens, words)
         return encode_whole(self._tok, text, add_special_tokens)
 
-    def _word_window(self, text: str, at: int) -> tuple[list[int], list[int]] | None:
+    def _word_window(self, text: str, at: int) -> tuple[array, array] | None:
         """A window for :class:`~router.incremental.Incremental`, word by word while that encodes as the library does."""
         if self._words is None or not self._words_check.enabled:
             return None
-        return self._words.encode(text, at)
+        return self._words.encode_arrays(text, at)
 
     def _words_ids(self, text: str) -> list[int] | None:
         """``text``'s ids without special tokens added, word by word where that is on and the text not long (it holds

@@ -31,12 +31,12 @@ def gpt2_style(tmp_path_factory):
     return LocalTokenizer(tiny_model.write_tokenizer(tmp_path_factory.mktemp("tiny")))._tok
 
 
-@pytest.fixture(scope="module")
-def llama3_style():
+def split_style(split: str):
+    """A small byte-level BPE tokenizer that cuts words by ``split`` (as Llama 3's and Qwen 2's do)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE(ignore_merges=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<|begin_of_text|>", "<|eot_id|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -44,11 +44,21 @@ def llama3_style():
     return tok
 
 
+@pytest.fixture(scope="module")
+def llama3_style():
+    return split_style(LLAMA3_SPLIT)
+
+
+@pytest.fixture(scope="module")
+def qwen2_style():
+    return split_style(word_encoder.QWEN2_PATTERN)
+
+
 def library(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False).ids
 
 
-@pytest.mark.parametrize("style", ["gpt2_style", "llama3_style"])
+@pytest.mark.parametrize("style", ["gpt2_style", "llama3_style", "qwen2_style"])
 def test_edge_cases_encode_as_the_library_does(style, request):
     tok = request.getfixturevalue(style)
     enc = WordEncoder.of(tok, style)
@@ -59,7 +69,7 @@ def test_edge_cases_encode_as_the_library_does(style, request):
         assert got[0] == library(tok, text), text
 
 
-@pytest.mark.parametrize("style", ["gpt2_style", "llama3_style"])
+@pytest.mark.parametrize("style", ["gpt2_style", "llama3_style", "qwen2_style"])
 def test_any_text_of_the_basic_plane_encodes_as_the_library_does(style, request):
     tok = request.getfixturevalue(style)
     enc = WordEncoder.of(tok, style)
@@ -74,6 +84,27 @@ def test_any_text_of_the_basic_plane_encodes_as_the_library_does(style, request)
             return
         assert got[0] == library(tok, text)
         assert len(got[1]) == len(got[0]) and got[1] == sorted(got[1])
+
+    prop()
+
+
+ASCII_EDGES = "aZ9 '\t\n\x0b\x0c\r.!\x1c\x00\x7fsStTrReEvVmMlLdD0123"
+
+
+@pytest.mark.parametrize("style", ["gpt2_style", "llama3_style", "qwen2_style"])
+def test_ascii_text_is_cut_in_c_into_the_words_re_cuts_it_into(style, request):
+    """The C cut of ASCII text (router/_wordscan.c) against Python's re with the same expression: the same ids,
+    each placed where the same word begins."""
+    tok = request.getfixturevalue(style)
+    native = WordEncoder.of(tok, style)
+    assert native is not None and native.describe()["ascii_cut_in_c"]
+    spec = word_encoder.json.loads(tok.to_str())
+    by_re = WordEncoder(tok, word_encoder.word_pattern(spec), {}, native=False)
+
+    @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.text(alphabet=ASCII_EDGES, max_size=60), st.integers(0, 10_000))
+    def prop(text, at):
+        assert native.encode(text, at) == by_re.encode(text, at)
 
     prop()
 
