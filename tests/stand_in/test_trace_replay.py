@@ -112,7 +112,12 @@ def test_the_trace_verdicts_measure_kvroute_against_the_ideal_hit_rate_and_the_b
                            ideal=0.4)
     assert len(lines) == 1
     assert "keeps 0.95 of the ideal hit rate" in lines[0] and "target >= 0.95: met" in lines[0]
-    assert "1.036x the best other router's (sglang-router; target >= 1: met)" in lines[0]
+    assert "1.036x the best other router's (sglang-router; target >= 1, 0.5% allowed for noise: met)" in lines[0]
     assert "TTFT p90 0.53x the best other router's (vllm-router; target < 1: met)" in lines[0]
     short = trace_verdicts([run("kvroute", 0.3, 1300, 2600), run("sglang-router", 0.36, 1400, 5000)], ideal=0.4)
     assert "0.75 of the ideal" in short[0] and short[0].count("NOT met") == 2
+    # the same offered load served within the noise of a run counts as equal; a real shortfall does not
+    level = trace_verdicts([run("kvroute", 0.38, 1397, 2600), run("sglang-router", 0.36, 1400, 5000)], ideal=0.4)
+    assert "0.998x the best other router's (sglang-router; target >= 1, 0.5% allowed for noise: met)" in level[0]
+    below = trace_verdicts([run("kvroute", 0.38, 1386, 2600), run("sglang-router", 0.36, 1400, 5000)], ideal=0.4)
+    assert "0.990x the best other router's (sglang-router; target >= 1, 0.5% allowed for noise: NOT met)" in below[0]
