@@ -247,14 +247,12 @@ class WordEncoder:
             if i % 2:  # an added token
                 ids.append(self._added[piece])
                 starts.append(pos)
+            elif self._rule is not None and piece.isascii():
+                assert _scan is not None
+                fresh, fresh_starts = _scan(piece, self._rule, pos, words)
+                ids.frombytes(fresh)
+                starts.frombytes(fresh_starts)
             elif piece:
-                if self._rule is not None and piece.isascii():
-                    assert _scan is not None
-                    fresh, fresh_starts = _scan(piece, self._rule, pos, words)
-                    ids.frombytes(fresh)
-                    starts.frombytes(fresh_starts)
-                    pos += len(piece)
-                    continue
                 cut = self._findall(piece)
                 lengths = list(map(len, cut))
                 if sum(lengths) != len(piece):
