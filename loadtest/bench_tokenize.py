@@ -3,7 +3,7 @@ conversation, and a first-seen 100,000-token prompt among other requests.
 
     python -m loadtest.bench_tokenize [--requests 200] [--out loadtest/results/tokenize]
 
-Three parts, with the tiny model's tokenizer (what the router uses wherever it finds the model's):
+Four parts, with the tiny model's tokenizer (what the router uses wherever it finds the model's):
 
 1. **Shared long prompts** (in process): completions prompts of ~12,000 tokens from 16 groups, each
    sharing its first ~11,000 tokens with the earlier prompts of its group; the prompt key's time per
@@ -17,6 +17,11 @@ Three parts, with the tiny model's tokenizer (what the router uses wherever it f
    ~100,000-token completions prompt every second, sent straight to a replica (the reference: what such
    prompts cost the stand-ins, the client and the machine), then through the router. The short requests'
    p50/p99/max, and what the router's keying of the long prompts added to their p99 over the reference.
+4. **Growing conversations through the router** (over HTTP): ``--groups`` groups of 16 chats as in part 2 (20 turns
+   of ~2,000 tokens), sent one request at a time through a router in front of 4 instant replicas; the router
+   process's CPU per request at each turn (its threads' time on the CPU, from ``/proc``), and turn 20's against
+   turn 1's. Once with the tiny tokenizer (the router's default wherever it finds the model's), once keyed by
+   bytes (no tokenizer): what grows with the history outside tokenizing.
 
 Writes ``results.json`` and ``results.md`` to ``--out``. Every process it starts is stopped by its PID;
 traffic stays on 127.0.0.1.
@@ -27,7 +32,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -36,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench_overhead import pct
-from .cluster import HTTP, Proc, free_ports, router, simulator
+from .cluster import HTTP, Proc, free_port, free_ports, router, simulator
 from .h1client import H1Connection
 from .load import VOCABULARIES, words
 from .tiny_model import write_tokenizer
@@ -130,6 +137,143 @@ async def _drive(port: int, short: list[bytes], long: list[bytes], seconds: floa
     return latencies, failed, sent_long
 
 
+def cpu_ns(pid: int) -> int:
+    """Time ``pid``'s threads have run, in nanoseconds (the scheduler's count: a clock tick is too coarse here)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended between the listing and the read
+    return total
+
+
+def system_ticks(pid: int) -> int:
+    """Clock ticks ``pid`` has spent in the kernel (its system time)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[12])
+
+
+def _instant_replicas(logs: Path, name: str) -> tuple[Proc, list[int]]:
+    """The simulator's 4 instant replicas, ready. They count tokens by bytes (no ``--root`` with the tokenizer): in
+    this process beside the router, their own encoding of long prompts would hold up the requests they serve."""
+    base = free_ports(4)
+    ports = [base + i for i in range(4)]
+    sim = simulator(base, "tiny", "--replicas", "4", "--ttft-ms", "0", "--itl-ms", "0", "--max-model-len", "200000",
+                    log_dir=logs, name=name).start()
+    try:
+        for p in ports:
+            Proc("sim", [], p).wait_http(timeout=30)
+    except BaseException:
+        sim.stop()
+        raise
+    return sim, ports
+
+
+MODES = {  # part 4: what routes the conversations
+    "kvroute, tokens": "kvroute with the tiny tokenizer (what it does wherever it finds the model's)",
+    "kvroute, bytes": "kvroute keying by bytes (prefix.tokenizer: none)",
+    "kvroute, forwarding only": "kvroute with prefix.tokenizer: none and policy: round-robin: no key, no index",
+    "sglang-router": "sglang-router --policy cache_aware",
+}
+
+
+def _chat_router(mode: str, urls: list[str], folder: Path, logs: Path) -> Proc:
+    if mode == "sglang-router":
+        exe = shutil.which("sglang-router") or str(Path(sys.executable).parent / "sglang-router")
+        port = free_port()
+        return Proc(mode, [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+                           "--prometheus-port", str(free_port()), "--worker-urls", *urls], port,
+                    log_path=logs / f"sglang-router-{port}.log")
+    settings = {"kvroute, tokens": [f"prefix.tokenizer={folder}"], "kvroute, bytes": ["prefix.tokenizer=none"],
+                "kvroute, forwarding only": ["prefix.tokenizer=none", "policy=round-robin"]}[mode]
+    return router(urls, *[a for s in settings for a in ("--set", s)], log_dir=logs, name="router-chat")
+
+
+def _until_it_routes(rt: Proc, mode: str) -> None:
+    if mode.startswith("kvroute"):
+        rt.wait_http("/ready", timeout=30)
+        if mode == "kvroute, tokens":
+            _wait_for_tokens(rt)
+        return
+    probe = json.dumps({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if HTTP.post(rt.url + "/v1/chat/completions", content=probe, timeout=5.0,
+                         headers={"content-type": "application/json"}).status_code == 200:
+                return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{mode} did not route within 60 s: {rt.log_tail()}")
+
+
+def conversation_over_http(mode: str, folder: Path, groups: int, chats: int, turns: int, logs: Path) -> dict[str, Any]:
+    """CPU per request of the router process (``mode``: one of :data:`MODES`) at each turn of growing
+    conversations sent through it, in front of 4 instant replicas."""
+    vocab = VOCABULARIES["tiny-model"]
+    sim, ports = _instant_replicas(logs, "sim-chat")
+    rt: Proc | None = None
+    try:
+        rt = _chat_router(mode, [f"http://127.0.0.1:{p}" for p in ports], folder, logs).start()
+        _until_it_routes(rt, mode)
+        pid, port = rt.pid, rt.port
+        cpu = [0] * turns
+        kernel = [0] * turns
+        wall: list[list[float]] = [[] for _ in range(turns)]
+        rng = random.Random(7)
+
+        async def one_group(g: int, turns: int, counted: bool) -> None:
+            conn = H1Connection("127.0.0.1", port)
+            try:
+                histories: list[list[dict[str, str]]] = [
+                    [{"role": "system", "content": f"chat {g}.{c}: " + words(rng, 1_000, vocab)}] for c in range(chats)]
+                for t in range(turns):
+                    bodies = []
+                    for h in histories:
+                        if t:
+                            h.append({"role": "assistant", "content": words(rng, 1_000, vocab)})
+                        h.append({"role": "user", "content": words(rng, 1_000, vocab)})
+                        bodies.append(json.dumps({"model": "tiny", "max_tokens": 1, "messages": h}).encode())
+                    cpu_before, kernel_before = cpu_ns(pid), system_ticks(pid)
+                    for body in bodies:  # one at a time: the router's CPU in this span is these requests'
+                        t0 = time.perf_counter()
+                        res = await conn.post("/v1/chat/completions", body)
+                        if res.status != 200:
+                            raise RuntimeError(f"turn {t + 1}: HTTP {res.status}")
+                        wall[t].append(time.perf_counter() - t0)
+                    if counted:
+                        cpu[t] += cpu_ns(pid) - cpu_before
+                        kernel[t] += system_ticks(pid) - kernel_before
+            finally:
+                await conn.close()
+
+        asyncio.run(one_group(-1, min(2, turns), counted=False))  # connections, caches and code paths warm
+        for w in wall:
+            w.clear()
+        for g in range(groups):
+            asyncio.run(one_group(g, turns, counted=True))
+        n = groups * chats
+        per_turn = [c / n / 1e6 for c in cpu]
+        tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+        return {"requests_per_turn": n, "cpu_ms": per_turn, "last_over_first": per_turn[-1] / per_turn[0],
+                "kernel_ms": [k * tick_ms / n for k in kernel], "latency_p50_ms": [statistics.median(w) * 1e3 for w in wall]}
+    finally:
+        if rt is not None:
+            rt.stop()
+        sim.stop()
+
+
+def _wait_for_tokens(rt: Proc) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the tokenizer is looked for after the first health check
+        keys = HTTP.get(rt.url + "/admin/replicas").json()["prompt_keys"]
+        if keys.get("tiny", {}).get("mode") == "tokens":
+            return
+        time.sleep(0.2)
+    raise RuntimeError("the router did not find the tiny model's tokenizer within 20 s")
+
+
 STRAIGHT = "100k-token prompts straight to a replica (reference)"
 THROUGH = "100k-token prompts through the router"
 
@@ -142,25 +286,13 @@ def beside_long_prompt(folder: Path, seconds: float, concurrency: int, logs: Pat
         {"role": "user", "content": words(rng, 30, vocab)}]}).encode() for g in range(64)]
     long = [json.dumps({"model": "tiny", "max_tokens": 4,
                         "prompt": f"document {i}: " + words(rng, 100_000, vocab)}).encode() for i in range(int(seconds) + 2)]
-    base = free_ports(4)
-    ports = [base + i for i in range(4)]
-    # the stand-ins count tokens by bytes (no --root with the tokenizer): in this process beside the router,
-    # their own encoding of the long prompts would stall the short requests they serve
-    sim = simulator(base, "tiny", "--replicas", "4", "--ttft-ms", "0", "--itl-ms", "0", "--max-model-len", "200000",
-                    log_dir=logs, name="sim").start()
+    sim, ports = _instant_replicas(logs, "sim")
     rt: Proc | None = None
     try:
-        for p in ports:
-            Proc("sim", [], p).wait_http(timeout=30)
         rt = router([f"http://127.0.0.1:{p}" for p in ports], "--set", f"prefix.tokenizer={folder}",
                     log_dir=logs).start()
         rt.wait_http("/ready", timeout=30)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # the tokenizer is looked for after the first health check
-            keys = HTTP.get(rt.url + "/admin/replicas").json()["prompt_keys"]
-            if keys.get("tiny", {}).get("mode") == "tokens":
-                break
-            time.sleep(0.2)
+        _wait_for_tokens(rt)
         asyncio.run(_drive(rt.port, short, [], 2.0, concurrency))  # connections and caches warm
         out: dict[str, Any] = {}
         mixes = (("short only", [], None), (STRAIGHT, long[::-1], ports[0]), (THROUGH, long, None))
@@ -201,6 +333,15 @@ def markdown(report: dict[str, Any], command: str) -> str:
                        f"{r['long_prompts']} | {r['failed']} |")
     out.append(f"\np99 added by the router's keying of the long prompts (through the router minus the reference): "
                f"{b['p99_added_ms']:.2f} ms")
+    h = report["over_http"]
+    out += ["", f"## Growing conversations through the router ({next(iter(h.values()))['requests_per_turn']} chats of "
+            f"{len(h['tokens']['cpu_ms'])} turns of ~2,000 tokens, one request at a time, HTTP)", "",
+            "Router CPU per request (ms), all its threads; in brackets the part spent in the kernel. "
+            + "; ".join(f"{m}: {d}" for m, d in MODES.items()) + ".", "",
+            "| router | turn 1 | turn 5 | turn 10 | turn 15 | last turn | last / first |", "|---|---|---|---|---|---|---|"]
+    for mode, r in h.items():
+        cells = " | ".join(f"{r['cpu_ms'][t]:.2f} ({r['kernel_ms'][t]:.2f})" for t in (0, 4, 9, 14, -1))
+        out.append(f"| {mode} | {cells} | {r['last_over_first']:.2f} |")
     return "\n".join(out) + "\n"
 
 
@@ -211,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--seconds", type=float, default=20.0, help="per traffic mix in part 3")
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--groups", type=int, default=4, help="groups of 16 chats sent through the router in part 4")
     p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results" / "tokenize")
-    p.add_argument("--only", type=int, choices=(1, 2, 3), help="run one part (printed, not written)")
+    p.add_argument("--only", type=int, choices=(1, 2, 3, 4), help="run one part (printed, not written)")
     args = p.parse_args(argv)
     report: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvroute-tokenize-") as tmp:
@@ -227,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, 3):
             report["beside"] = beside_long_prompt(folder, args.seconds, args.concurrency, Path(tmp))
             print(json.dumps(report["beside"]), file=sys.stderr, flush=True)
+        if args.only in (None, 4):
+            report["over_http"] = {mode: conversation_over_http(mode, folder, args.groups, 16, args.turns, Path(tmp))
+                                   for mode in MODES}
+            print(json.dumps(report["over_http"]), file=sys.stderr, flush=True)
     if args.only is not None:
         return 0
     command = ("python -m loadtest.bench_tokenize " + " ".join(argv if argv is not None else sys.argv[1:])).strip()

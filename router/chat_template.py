@@ -10,6 +10,10 @@ from datetime import datetime
 from typing import Any, Iterator
 
 
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+_MISSING = object()
+
+
 class ChatTemplate:
     """One compiled chat template and what reading it told: content format, variables, roles."""
 
@@ -30,8 +34,27 @@ class ChatTemplate:
             def _body(self, caller: Any) -> str:
                 return caller()
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[_Generation, jinja2.ext.loopcontrols])
+        absent: dict[str, Any] = {}
+
+        class _Environment(ImmutableSandboxedEnvironment):
+            def getattr(self, obj: Any, attribute: str) -> Any:
+                # ``m.name`` on a message: a plain dict has no attribute but its own methods, so the sandbox's
+                # answer is the item or undefined; given here without the two exceptions it raises to find out
+                if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+                    value = obj.get(attribute, _MISSING)
+                    if value is not _MISSING:
+                        return value
+                    # undefined, and the same for every dict: made once per name (it says "'dict object' has no
+                    # attribute ..."), for as many names as a template spells out
+                    missing = absent.get(attribute)
+                    if missing is None:
+                        missing = self.undefined(obj={}, name=attribute)
+                        if len(absent) < 256:
+                            absent[attribute] = missing
+                    return missing
+                return super().getattr(obj, attribute)
+
+        env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -27,6 +27,7 @@ import time
 from array import array
 from bisect import bisect_left
 from collections import OrderedDict, deque
+from operator import itemgetter
 from typing import Any, Callable, Union
 
 import xxhash
@@ -51,7 +52,20 @@ Ids = Union[list[int], array]  # token ids: a list, or an array("I") where they 
 
 class OverBudget(Exception):
     """Encoding the text would compute more than the caller allowed (``budget`` characters, or a check against
-    encoding it whole): the caller encodes it where a long encode holds up no one (a worker thread)."""
+    encoding it whole): the caller encodes it where a long encode holds up no one (a worker thread).
+
+    ``rest``, where given, computes what was asked from the work already done (a chat rendered into its text):
+    the caller runs it there instead of starting over."""
+
+    def __init__(self, chars: int, rest: "Callable[[], Any] | None" = None) -> None:
+        super().__init__(chars)
+        self.chars = chars
+        self.rest = rest
+
+    def then(self, after: "Callable[[Any], Any]") -> "OverBudget":
+        """The same, with what its ``rest`` computes passed on through ``after`` (no rest where it has none)."""
+        rest = self.rest
+        return OverBudget(self.chars, None if rest is None else lambda: after(rest()))
 
 
 def encode_whole(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
@@ -124,21 +138,51 @@ class WholeCheck:
         return whole
 
 
+RUN_BLOCKS = 8  # blocks named together: a run named before gives its blocks' hashes without hashing each
+_RUNS_KEPT = 4096  # runs remembered (~300 KB; then the table starts over)
+_runs: dict[int, tuple[int, ...]] = {}  # run name -> the hashes of its blocks
+
+
 def block_hashes(text: str) -> list[int]:
-    """The chained hashes of the full blocks of ``text``."""
-    out = []
-    h = 0
+    """The chained hashes of the full blocks of ``text``.
+
+    They are found run by run: one hash over ``RUN_BLOCKS`` blocks, chained over the runs before, names the
+    whole text up to the run's end, so a run named before (a conversation's earlier turns, a shared document)
+    gives its blocks' hashes at once, and only new text is hashed block by block.
+    """
     hasher = xxhash.xxh3_64_intdigest
-    if text.isascii():  # a character is a byte: encoded once, blocks are slices of it
-        data = memoryview(text.encode("ascii"))
-        for start in range(0, len(text) - BLOCK_CHARS + 1, BLOCK_CHARS):
-            h = hasher(data[start:start + BLOCK_CHARS], seed=h)
-            out.append(h)
-        return out
-    for start in range(0, len(text) - BLOCK_CHARS + 1, BLOCK_CHARS):
-        h = hasher(text[start:start + BLOCK_CHARS].encode("utf-8", "surrogatepass"), seed=h)
+    data: Any = memoryview(text.encode("ascii")) if text.isascii() else None  # ASCII: blocks are byte slices
+
+    def piece(start: int, stop: int) -> Any:
+        return data[start:stop] if data is not None else text[start:stop].encode("utf-8", "surrogatepass")
+
+    out: list[int] = []
+    h = 0
+    name = _RUN_SEED
+    run_chars = RUN_BLOCKS * BLOCK_CHARS
+    runs_end = len(text) // run_chars * run_chars
+    for start in range(0, runs_end, run_chars):
+        name = hasher(piece(start, start + run_chars), seed=name)
+        got = _runs.get(name)
+        if got is None:
+            fresh = []
+            for at in range(start, start + run_chars, BLOCK_CHARS):
+                h = hasher(piece(at, at + BLOCK_CHARS), seed=h)
+                fresh.append(h)
+            got = tuple(fresh)
+            if len(_runs) >= _RUNS_KEPT:
+                _runs.clear()
+            _runs[name] = got
+        out.extend(got)
+        h = got[-1]
+    for start in range(runs_end, len(text) - BLOCK_CHARS + 1, BLOCK_CHARS):
+        h = hasher(piece(start, start + BLOCK_CHARS), seed=h)
         out.append(h)
     return out
+
+
+_IDS, _STARTS = itemgetter(0), itemgetter(1)  # of a kept block
+_RUN_SEED = xxhash.xxh3_64_intdigest(b"runs of text blocks")
 
 
 # (text, where it begins in the whole) -> (its ids, where each token starts in the whole), or None
@@ -190,8 +234,9 @@ class Incremental:
         if budget is not None and (encoded > budget or self._check.due(len(text), encoded)):
             raise OverBudget(encoded)  # before the kept ids are joined: the thread that takes it over joins them
         ids, starts = array("I"), array("I")
-        ids.frombytes(b"".join([f[0] for f in found[:known]]))
-        starts.frombytes(b"".join([f[1] for f in found[:known]]))
+        kept = found[:known]
+        ids.frombytes(b"".join(map(_IDS, kept)))
+        starts.frombytes(b"".join(map(_STARTS, kept)))
         reused = len(ids)
         joined = self._extend(text, ids, starts, known * BLOCK_CHARS)
         if not joined:

@@ -227,6 +227,11 @@ def _encode_completion(tokenizer: "LocalTokenizer | None", text: str, special: b
     return tokenizer.ids(text, add_special_tokens=special, budget=budget) if tokenizer is not None else _text(text)
 
 
+def _alone(ids: Prompt) -> tuple[list[Prompt], None]:
+    """A request's one prompt, keyed exactly (what :func:`prompts_of` answers for it)."""
+    return [ids], None
+
+
 def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
                                                           for t in value)
@@ -249,6 +254,8 @@ def prompts_of(path: str, payload: dict[str, Any], tokenizer: "LocalTokenizer | 
             return [chat_bytes(messages)], None
         try:
             return [tokenizer.chat_ids(payload, budget)], None
+        except OverBudget as e:  # rendered: what is left is encoding its text
+            raise e.then(_alone) from None
         except Unkeyable as e:  # the replica's ids cannot be known here: the bytes still group alike requests
             return [chat_bytes(messages)], e.reason
     if path == "/v1/responses":
@@ -274,7 +281,10 @@ def prompts_of(path: str, payload: dict[str, Any], tokenizer: "LocalTokenizer | 
                 return prompts_of(path, payload)[0], "truncated"
         special = payload.get("add_special_tokens", True) is not False
         if isinstance(prompt, str):
-            return [_encode_completion(tokenizer, prompt, special, budget)], None
+            try:
+                return [_encode_completion(tokenizer, prompt, special, budget)], None
+            except OverBudget as e:
+                raise e.then(_alone) from None
         if _is_ids(prompt):
             return [list(prompt)], None
         if isinstance(prompt, list) and prompt:
@@ -285,7 +295,10 @@ def prompts_of(path: str, payload: dict[str, Any], tokenizer: "LocalTokenizer | 
             out: list[Prompt] = []
             for p in prompt:
                 if isinstance(p, str):
-                    out.append(_encode_completion(tokenizer, p, special, budget))
+                    try:
+                        out.append(_encode_completion(tokenizer, p, special, budget))
+                    except OverBudget as e:  # one prompt of several: the batch is keyed again from the start
+                        raise OverBudget(e.chars) from None
                 elif _is_ids(p):
                     out.append(list(p))
             return out or None, None
@@ -294,7 +307,18 @@ def prompts_of(path: str, payload: dict[str, Any], tokenizer: "LocalTokenizer | 
 
 def key_for(path: str, payload: dict[str, Any], model: str, bytes_per_token: float = 4,
             tokenizer: "LocalTokenizer | None" = None, budget: int | None = None) -> PromptKey | None:
-    prompts, inexact = prompts_of(path, payload, tokenizer, budget)
+    """The request's prompt key (None where it has no prompt to key). With a ``budget``, raises
+    :class:`~router.incremental.OverBudget` as :meth:`router.tokenizer.LocalTokenizer.ids` does; its ``rest``,
+    where it has one, computes the key from what was done here (a chat's rendering)."""
+    try:
+        prompts, inexact = prompts_of(path, payload, tokenizer, budget)
+    except OverBudget as e:
+        raise e.then(lambda got: _key(payload, model, bytes_per_token, *got)) from None
+    return _key(payload, model, bytes_per_token, prompts, inexact)
+
+
+def _key(payload: dict[str, Any], model: str, bytes_per_token: float, prompts: list[Prompt] | None,
+         inexact: str | None) -> PromptKey | None:
     if not prompts:
         return None
     lora = payload.get("lora_request") or payload.get("lora_name")

@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from .background import Background
@@ -136,9 +137,9 @@ class PromptKeys:
             else:
                 try:  # here where what it computes is short (a long prompt mostly seen before), else on a thread
                     key = key_for(path, payload, model, bpt, tokenizer, budget=_INLINE_ENCODE_CHARS)
-                except OverBudget:
-                    key = await asyncio.get_running_loop().run_in_executor(
-                        self._encoder, key_for, path, payload, model, bpt, tokenizer)
+                except OverBudget as e:  # its rest goes on from what was done here (a chat rendered), else anew
+                    rest = e.rest or partial(key_for, path, payload, model, bpt, tokenizer)
+                    key = await asyncio.get_running_loop().run_in_executor(self._encoder, rest)
         except RecursionError:  # content nested past what can be walked: the replica judges it
             log.info("prompt of a %s request nested too deeply to key; routing it by load", path)
             self._count("none", "too_deep")

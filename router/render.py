@@ -123,18 +123,21 @@ def conversation(messages: Sequence[Any], content_format: str) -> list[dict[str,
             raise Unkeyable("invalid")
         role = message["role"]
         content = message.get("content")
-        if content is None:
-            parts: list[Any] = []
-        elif isinstance(content, str):
-            parts = [{"type": "text", "text": content}]
-        elif isinstance(content, list):
-            parts = content
+        if isinstance(content, str) and role != "system":  # the common case, and a long history's bulk
+            msg: dict[str, Any] = {"role": role, "content": [{"type": "text", "text": content}] if openai else content}
         else:
-            raise Unkeyable("invalid")
-        if role == "system":
-            parts = _strip_billing_header(parts)
-        texts = [t for t in (_part_text(p, openai) for p in parts) if t is not None]
-        msg: dict[str, Any] = {"role": role, "content": texts if openai else "\n".join(texts)}
+            if content is None:
+                parts: list[Any] = []
+            elif isinstance(content, str):
+                parts = [{"type": "text", "text": content}]
+            elif isinstance(content, list):
+                parts = content
+            else:
+                raise Unkeyable("invalid")
+            if role == "system":
+                parts = _strip_billing_header(parts)
+            texts = [t for t in (_part_text(p, openai) for p in parts) if t is not None]
+            msg = {"role": role, "content": texts if openai else "\n".join(texts)}
         if role == "assistant":
             if message.get("tool_calls") is not None:
                 calls = message["tool_calls"]

@@ -20,6 +20,7 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -127,7 +128,13 @@ class LocalTokenizer:
 
         With a ``budget``, raises :class:`~router.incremental.OverBudget` rather than compute more than that many
         characters (or check a long text against its whole encode): the event loop keys a prompt itself where
-        that is cheap, and hands it to a thread where not."""
+        that is cheap, and hands it to a thread where not: the exception's ``rest`` encodes ``text`` there."""
+        try:
+            return self._ids(text, add_special_tokens, budget)
+        except OverBudget as e:
+            raise OverBudget(e.chars, partial(self._ids, text, add_special_tokens)) from None
+
+    def _ids(self, text: str, add_special_tokens: bool, budget: int | None = None) -> Ids:
         if self._incremental is not None:
             ids = self._incremental.encode(text, add_special_tokens, budget)
             if ids is not None:

@@ -86,6 +86,24 @@ def test_generation_blocks_and_loop_controls_render():
     assert render_chat(t, {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, {}) == "a"
 
 
+def test_message_fields_read_as_attributes_render_as_hugging_faces_sandbox_renders_them():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    source = ("{% for m in messages %}{{ m.role }}|{{ m.name is defined }}|{{ m.name }}|{{ m.keys is string }}|"
+              "{{ m.get('role') }}|{{ m.items is defined }}|{{ m.tool_calls is defined and m.tool_calls }};"
+              "{% endfor %}")
+    messages = [{"role": "user", "content": "a", "name": "ann"}, {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c", "keys": "shadowed", "items": 1}]
+    stock = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+    assert ChatTemplate(source).render(messages=messages) == stock.render(messages=messages)
+
+
+def test_a_field_a_message_lacks_fails_as_in_hugging_faces_sandbox_when_read_further():
+    with pytest.raises(Exception, match="'dict object' has no attribute 'name'"):
+        ChatTemplate("{% for m in messages %}{{ m.name.first }}{% endfor %}").render(
+            messages=[{"role": "user", "content": "a"}])
+
+
 def test_kwargs_the_template_does_not_read_are_not_given_to_it():
     t = ChatTemplate("{{ flag is defined }}/{{ bos_token }}")
     body = {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"other": 1}}

@@ -31,6 +31,28 @@ def stats(tok: LocalTokenizer) -> dict:
     return tok.describe()["incremental"]
 
 
+def chained(text: str) -> list[int]:
+    import xxhash
+
+    out, h, size = [], 0, incremental.BLOCK_CHARS
+    for start in range(0, len(text) - size + 1, size):
+        h = xxhash.xxh3_64_intdigest(text[start:start + size].encode("utf-8", "surrogatepass"), seed=h)
+        out.append(h)
+    return out
+
+
+@pytest.mark.parametrize("alphabet", ["abc de", "abc dé 漢字 \U0001f600"])
+def test_block_hashes_are_the_chain_over_every_block_whether_their_runs_were_seen_or_not(alphabet):
+    rng = random.Random(len(alphabet))
+    run = incremental.RUN_BLOCKS * incremental.BLOCK_CHARS
+    head = "".join(rng.choice(alphabet) for _ in range(3 * run + 500))
+    assert incremental.block_hashes(head) == chained(head)  # runs first seen
+    for tail in ("", "x" * 5000, "y" * (run + 7)):
+        assert incremental.block_hashes(head + tail) == chained(head + tail)  # runs seen before, then new text
+    changed = head[:run + 10] + "Z" + head[run + 11:]  # parts inside the second run
+    assert incremental.block_hashes(changed) == chained(changed)
+
+
 def test_a_growing_conversation_encodes_only_each_new_turn(tok):
     history = ""
     fresh_per_turn = []
@@ -187,3 +209,22 @@ def test_with_a_budget_a_batch_of_prompts_is_left_to_the_caller_where_they_are_l
     with pytest.raises(incremental.OverBudget):
         key_for("/v1/completions", {"prompt": batch}, "m", tokenizer=tok, budget=8192)
     assert key_for("/v1/completions", {"prompt": batch[:2]}, "m", tokenizer=tok, budget=8192) is not None
+
+
+def test_a_chat_left_to_the_caller_is_rendered_once_and_its_rest_gives_the_ids_of_a_whole_encode(tmp_path,
+                                                                                                monkeypatch):
+    from router.chat_template import ChatTemplate
+    from router.prefix import key_for
+    fresh = settled(tmp_path, words(12_000, seed=9))
+    body = {"messages": [{"role": "system", "content": words(2_000, seed=30)},
+                         {"role": "user", "content": words(1_000, seed=31)}]}
+    renders = []
+    render = ChatTemplate.render
+    monkeypatch.setattr(ChatTemplate, "render", lambda self, **kw: renders.append(1) or render(self, **kw))
+    with pytest.raises(incremental.OverBudget) as raised:
+        key_for("/v1/chat/completions", body, "m", tokenizer=fresh, budget=8192)
+    assert raised.value.rest is not None
+    key = raised.value.rest()
+    assert len(renders) == 1
+    assert [list(p) for p in key.prompts] == [whole(fresh, fresh.render(body), special=False)]
+    assert key.seed == key_for("/v1/chat/completions", body, "m", tokenizer=fresh).seed
