@@ -30,6 +30,7 @@ import math
 import struct
 import sys
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
@@ -100,8 +101,10 @@ def root_seed(model: str, lora: str | None = None, cache_salt: str | None = None
 
 
 _RUN_BYTES = 2048  # a run of blocks about this long is named by one hash, and its blocks' hashes kept under it
-_RUNS_KEPT = 2048  # runs kept (under 1 MB; then the table starts over)
-_runs: dict[int, array] = {}  # run name -> the hashes of its blocks (an array of "Q")
+_RUNS_KEPT = 4096  # runs kept, the first kept out first (about 6 MB when full)
+# run name -> the hashes of its blocks, as the int objects a chain is a list of (extending a list by them is a copy
+# of references, where an array's would be made anew: 2,500 of them for a 40,000-token prompt)
+_runs: "OrderedDict[int, tuple[int, ...]]" = OrderedDict()
 
 
 def chain_bytes(data: bytes | memoryview, block_bytes: int, seed: int, remember: bool = False) -> list[int]:
@@ -130,9 +133,9 @@ def chain_bytes(data: bytes | memoryview, block_bytes: int, seed: int, remember:
                 for at in range(start, start + run_bytes, block_bytes):
                     h = hasher(view[at:at + block_bytes], seed=h)
                     fresh.append(h)
-                got = array("Q", fresh)
+                got = tuple(fresh)
                 if len(_runs) >= _RUNS_KEPT:
-                    _runs.clear()
+                    _runs.popitem(last=False)
                 _runs[name] = got
             out.extend(got)
             h = got[-1]

@@ -1,4 +1,5 @@
-"""The in-process prefix index: one LRU of block hashes per (model, replica), and the exact tier.
+"""The in-process prefix index: one LRU of block hashes per (model, replica) (:mod:`router.index.lru`), and the
+exact tier.
 
 Beside them, per model, the replicas holding each block as a bit mask (one bit per replica), so that
 :meth:`MemoryIndex.holders` finds the replicas that hold a prompt's prefix without asking each replica
@@ -9,27 +10,22 @@ from __future__ import annotations
 
 import random
 import time
-from collections import OrderedDict, deque
-from itertools import repeat, takewhile
+from collections import deque
 from typing import Collection, Sequence
 
 from . import CLEAR, PROVISIONAL_FLOOR, REMOVE, STORE, Match, Op, Probe, Receipt
+from .lru import ChainLRU
 
 # Exact tier: block hash -> medium mask, or the expiry of a provisional entry (see router.index)
 Exact = dict[int, float]
-
-
-def _leading(blocks: "OrderedDict[int, int]", chain: Sequence[int]) -> int:
-    """How many of ``chain``'s first hashes ``blocks`` holds, up to the first it does not (a loop in C)."""
-    return len(list(takewhile(blocks.__contains__, chain)))
 
 
 class MemoryIndex:
     name = "memory"
 
     def __init__(self) -> None:
-        # block hash -> stamp of the record that touched it last, least recently used first
-        self._lru: dict[tuple[str, str], OrderedDict[int, int]] = {}
+        # the LRU tier: the blocks recorded per (model, replica), least recently used out first
+        self._lru: dict[tuple[str, str], ChainLRU] = {}
         self._stamp = 0
         self._exact: dict[tuple[str, str], Exact] = {}
         # provisional entries by expiry, oldest first, so expired ones are swept without a scan
@@ -136,8 +132,8 @@ class MemoryIndex:
                 out[r] = self._probe_exact(self._exact.get((model, r)), chain)
                 continue
             blocks = lru.get((model, r))
-            if blocks:  # stops at the first miss: work grows with the match, not the prompt
-                out[r] = Match(_leading(blocks, chain), len(blocks))
+            if blocks:  # O(log m) lookups for an m-block match
+                out[r] = Match(blocks.leading(chain), len(blocks))
             else:
                 out[r] = Match(0, 0)
         return Probe(out)
@@ -165,18 +161,13 @@ class MemoryIndex:
             return None
         blocks = self._lru.get((model, replica))
         if blocks is None:
-            blocks = self._lru[(model, replica)] = OrderedDict()
-        kept = _leading(blocks, chain)
+            blocks = self._lru[(model, replica)] = ChainLRU()
         self._stamp += 1
         stamp = self._stamp
-        blocks.update(zip(reversed(chain), repeat(stamp)))
-        deque(map(blocks.move_to_end, reversed(chain)), maxlen=0)  # the root ends up most recently used
+        kept = blocks.record(chain, stamp)
         self._held(model, replica, chain[kept:])
         if len(blocks) > capacity:
-            evicted = []
-            while len(blocks) > capacity:
-                evicted.append(blocks.popitem(last=False)[0])
-            self._dropped(model, replica, evicted)
+            self._dropped(model, replica, blocks.evict(capacity))
         return Receipt(model, replica, chain, kept, stamp)
 
     async def withdraw(self, receipt: Receipt) -> None:
@@ -189,12 +180,7 @@ class MemoryIndex:
         lru = self._lru.get((receipt.model, receipt.replica))
         if not lru:
             return
-        gone = []
-        for h in receipt.chain[receipt.kept:]:
-            if lru.get(h) == receipt.stamp:
-                del lru[h]
-                gone.append(h)
-        self._dropped(receipt.model, receipt.replica, gone)
+        self._dropped(receipt.model, receipt.replica, lru.withdraw(receipt.chain, receipt.kept, receipt.stamp))
 
     # -- the exact tier ----------------------------------------------------------------------
 

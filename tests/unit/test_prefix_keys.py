@@ -123,7 +123,7 @@ def test_chains_not_to_be_remembered_keep_nothing():
     from router import prefix
     prefix._runs.clear()
     chain_bytes(os.urandom(8192), 16, SEED)
-    assert prefix._runs == {}
+    assert not prefix._runs
 
 
 @given(ids=st.lists(st.integers(0, 2**32 - 1), max_size=2000))
