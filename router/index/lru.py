@@ -17,14 +17,11 @@ import heapq
 from typing import Iterator, Sequence
 
 
-class _Block:
-    __slots__ = ("parent", "children", "time", "added")
-
-    def __init__(self, parent: int | None, added: int) -> None:
-        self.parent = parent  # the block before it, None for a chain's first
-        self.children = 0  # blocks recorded after it (it is a leaf at 0)
-        self.time = 0  # latest record that ended here, or went on through a child since gone (0: none yet)
-        self.added = added  # the record that added it (what a withdrawal may take back)
+# A block: [parent, children, time, added] (a list: made and read several times faster than an object)
+_PARENT, _CHILDREN, _TIME, _ADDED = range(4)
+# parent: the block before it (None for a chain's first); children: blocks recorded after it (a leaf at 0); time:
+# the latest record that ended there, or went on through a child since evicted (0: none yet); added: the record
+# that added it (what a withdrawal may take back)
 
 
 class ChainLRU:
@@ -33,7 +30,7 @@ class ChainLRU:
     __slots__ = ("_blocks", "_leaves", "_seq")
 
     def __init__(self) -> None:
-        self._blocks: dict[int, _Block] = {}
+        self._blocks: dict[int, list] = {}
         # (time, seq, hash) of leaves, oldest first; an entry is stale where the block has gone, has children
         # now, or a newer time (checked when it comes up, and dropped)
         self._leaves: list[tuple[int, int, int]] = []
@@ -71,17 +68,17 @@ class ChainLRU:
         first blocks were held before."""
         blocks = self._blocks
         kept = self.leading(chain)
-        parent = chain[kept - 1] if kept else None
-        for i in range(kept, len(chain)):
-            h = chain[i]
-            if parent is not None:
-                blocks[parent].children += 1
-            blocks[h] = _Block(parent, stamp)
-            parent = h
+        if kept < len(chain):
+            if kept:
+                blocks[chain[kept - 1]][_CHILDREN] += 1
+            # each new block the parent of the next (one child), the last a leaf
+            blocks.update(zip(chain[kept:], [[p, 1, 0, stamp] for p in
+                                             (chain[kept - 1:-1] if kept else [None, *chain[:-1]])]))
+            blocks[chain[-1]][_CHILDREN] = 0
         last = blocks[chain[-1]]
-        last.time = stamp
-        if not last.children:
-            self._push(last.time, chain[-1])
+        last[_TIME] = stamp
+        if not last[_CHILDREN]:
+            self._push(stamp, chain[-1])
         return kept
 
     def evict(self, capacity: int) -> list[int]:
@@ -89,14 +86,33 @@ class ChainLRU:
         blocks = self._blocks
         gone: list[int] = []
         leaves = self._leaves
-        while len(blocks) > capacity and leaves:
+        while len(blocks) > capacity:
+            if not leaves:  # only where 64-bit hashes collided (a block recorded under two parents)
+                self._rebuild(recount=True)
+                if not leaves:  # they made a loop: no leaf at all; dropped as they come
+                    while len(blocks) > capacity:
+                        gone.append(blocks.popitem()[0])
+                    break
             time, _, h = heapq.heappop(leaves)
             block = blocks.get(h)
-            if block is None or block.children or block.time != time:
+            if block is None or block[_CHILDREN] or block[_TIME] != time:
                 continue  # stale
-            del blocks[h]
-            gone.append(h)
-            self._left(block)
+            while True:  # up the chain while each parent is then the oldest leaf (a chain's tail, mostly)
+                del blocks[h]
+                gone.append(h)
+                h = block[_PARENT]
+                parent = blocks.get(h) if h is not None else None
+                if parent is None:  # a chain's first (or, after a hash collision, one gone already)
+                    break
+                parent[_CHILDREN] -= 1
+                if block[_TIME] > parent[_TIME]:
+                    parent[_TIME] = block[_TIME]
+                if parent[_CHILDREN] > 0:
+                    break
+                if len(blocks) <= capacity or (leaves and leaves[0][0] < parent[_TIME]):
+                    self._push(parent[_TIME], h)  # a leaf now, not the oldest
+                    break
+                block = parent
         return gone
 
     def withdraw(self, chain: Sequence[int], kept: int, stamp: int) -> list[int]:
@@ -111,39 +127,40 @@ class ChainLRU:
             block = blocks.get(h)
             if block is None:
                 continue  # evicted since
-            if block.added != stamp or block.children or block.time > stamp:
+            if block[_ADDED] != stamp or block[_CHILDREN] or block[_TIME] > stamp:
                 last = h
                 break
             del blocks[h]
             gone.append(h)
-            parent = blocks.get(block.parent) if block.parent is not None else None
-            if parent is not None:
-                parent.children -= 1
-                if not parent.children:
-                    self._push(parent.time, block.parent)  # a leaf again
+            above = blocks.get(block[_PARENT]) if block[_PARENT] is not None else None
+            if above is not None:
+                above[_CHILDREN] -= 1
+                if above[_CHILDREN] <= 0:
+                    self._push(above[_TIME], block[_PARENT])  # a leaf again
         block = blocks.get(last) if last is not None else None
-        if block is not None and block.time < stamp:
-            block.time = stamp
-            if not block.children:
+        if block is not None and block[_TIME] < stamp:
+            block[_TIME] = stamp
+            if not block[_CHILDREN]:
                 self._push(stamp, last)  # its entry at the older time is stale now
         return gone
 
-    def _left(self, block: _Block) -> None:
-        """``block`` was evicted: its parent takes its time if later, and is a leaf when it was the last child."""
-        if block.parent is None:
-            return
-        parent = self._blocks[block.parent]
-        parent.children -= 1
-        if block.time > parent.time:
-            parent.time = block.time
-        if not parent.children:
-            self._push(parent.time, block.parent)
-
     def _push(self, time: int, h: int) -> None:
-        leaves = self._leaves
-        if len(leaves) > 2 * len(self._blocks) + 1024:  # mostly stale: rebuilt from the leaves there are
-            leaves[:] = [(b.time, i, k) for i, (k, b) in enumerate(self._blocks.items()) if not b.children]
-            heapq.heapify(leaves)
-            self._seq = len(leaves)
+        if len(self._leaves) > 2 * len(self._blocks) + 1024:  # mostly stale: rebuilt from the leaves there are
+            self._rebuild()
         self._seq += 1
-        heapq.heappush(leaves, (time, self._seq, h))
+        heapq.heappush(self._leaves, (time, self._seq, h))
+
+    def _rebuild(self, recount: bool = False) -> None:
+        """The leaves' order made anew from the blocks; with ``recount``, every block's children counted again
+        from the parents they name (what a hash collision may have left wrong)."""
+        blocks = self._blocks
+        if recount:
+            for block in blocks.values():
+                block[_CHILDREN] = 0
+            for block in blocks.values():
+                above = blocks.get(block[_PARENT]) if block[_PARENT] is not None else None
+                if above is not None:
+                    above[_CHILDREN] += 1
+        self._leaves[:] = [(b[_TIME], i, k) for i, (k, b) in enumerate(blocks.items()) if not b[_CHILDREN]]
+        heapq.heapify(self._leaves)
+        self._seq = len(self._leaves)

@@ -74,3 +74,13 @@ def test_records_evictions_and_withdrawals_leave_what_a_block_by_block_lru_leave
         assert set(tree) == set(reference.blocks)
         probe = rng.choice(receipts)[0]
         assert tree.leading(probe) == next((i for i, h in enumerate(probe) if h not in reference.blocks), len(probe))
+
+
+def test_blocks_whose_hashes_collide_never_keep_it_over_its_capacity():
+    tree = ChainLRU()
+    tree.record([1, 2, 3], 1)
+    tree.record([7, 2], 2)  # block 2 again, after another parent: only a 64-bit collision does that
+    tree.record([8, 9, 8], 3)  # and a loop
+    for capacity in (4, 2, 0):
+        tree.evict(capacity)
+        assert len(tree) <= capacity
