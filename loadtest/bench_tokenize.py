@@ -10,7 +10,9 @@ Four parts, with the tiny model's tokenizer (what the router uses wherever it fi
    request, p50/p99, with reuse (the default: incremental encoding and pieces) and encoding whole.
 2. **A growing conversation** (in process): 8 chats of 20 turns of ~2,000 tokens (the first: a system
    prompt and the user's message; each later one: the assistant's answer and the user's next message); the prompt key's time per turn (median over the chats),
-   and turn 20's against turn 1's.
+   and turn 20's against turn 1's. Then the whole decision per turn (the key, the index lookup over 4 replicas,
+   the choice and the record), in process through the router's own components, for 16 such chats side by side:
+   the CPU of every thread (a long prompt is keyed on one).
 3. **A first-seen long prompt beside other requests** (over HTTP): a router given the tiny tokenizer in
    front of 4 instant replicas (the simulator, counting tokens by bytes), 32 clients sending
    short chats through the router for ``--seconds``; the same again with a distinct first-seen
@@ -92,6 +94,51 @@ def conversation(folder: Path, chats: int, turns: int, reuse: bool, seed: int = 
         tokens = len(tok.encode(tok.render_chat(messages[:-1]), add_special_tokens=False))
     medians = [statistics.median(ts) * 1e3 for ts in per_turn]
     return {"turn_ms": medians, "last_over_first": medians[-1] / medians[0], "last_turn_tokens": tokens}
+
+
+def decisions(folder: Path, chats: int, turns: int, seed: int = 0) -> dict[str, Any]:
+    """CPU per routing decision at each turn (the prompt key, the index lookup, the choice and the record), in
+    process, through the components a router process assembles, 4 replicas, ``chats`` conversations side by side."""
+    from router.config import RouterConfig
+    from router.gateway import Gateway
+    from router.request import RouteRequest
+
+    config = RouterConfig.model_validate({
+        "replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{9 + i}", "models": ["tiny"], "block_size": 16,
+                      "num_gpu_blocks": 100_000} for i in range(4)],
+        "kv_events": {"enabled": False}, "prefix": {"tokenizer": str(folder)}})
+    gw = Gateway(config)
+    for r in gw.pool:
+        gw.pool.health.mark_success(r)
+    rng = random.Random(seed)
+    vocab = VOCABULARIES["tiny-model"]
+    per_turn: list[list[float]] = [[] for _ in range(turns)]
+
+    async def run() -> None:
+        await gw.decider.start()
+        try:
+            for counted in (False, True):  # the first round warms the tokenizer's first checks and the code paths
+                histories = [[{"role": "system", "content": f"chat {counted}.{c}: " + words(rng, 1_000, vocab)}]
+                             for c in range(chats)]
+                for t in range(turns if counted else 2):
+                    for h in histories:
+                        if t:
+                            h.append({"role": "assistant", "content": words(rng, 1_000, vocab)})
+                        h.append({"role": "user", "content": words(rng, 1_000, vocab)})
+                        payload = {"model": "tiny", "max_tokens": 1, "messages": list(h)}
+                        started = time.process_time()  # every thread's: a long prompt is keyed on one
+                        req = RouteRequest(model="tiny", request_id="bench", endpoint="/v1/chat/completions",
+                                           payload=payload, body_size=0)
+                        ticket = await gw.decider.route(req)
+                        ticket.finish(200)
+                        if counted:
+                            per_turn[t].append(time.process_time() - started)
+        finally:
+            await gw.decider.close()
+
+    asyncio.run(run())
+    medians = [statistics.median(ts) * 1e3 for ts in per_turn]
+    return {"turn_ms": medians, "last_over_first": medians[-1] / medians[0]}
 
 
 async def _drive(port: int, short: list[bytes], long: list[bytes], seconds: float,
@@ -311,10 +358,11 @@ def markdown(report: dict[str, Any], command: str) -> str:
         out.append(f"| {mode} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['mean_ms']:.2f} |")
     out += ["", f"## A conversation of {len(c['reuse']['turn_ms'])} turns of ~2,000 tokens "
             f"(last turn ~{c['reuse']['last_turn_tokens']} tokens)", "",
-            "| encoding | turn 1 (ms) | turn 10 (ms) | last turn (ms) | last / first |", "|---|---|---|---|---|"]
-    for mode in ("reuse", "whole"):
+            "| what | turn 1 (ms) | turn 10 (ms) | last turn (ms) | last / first |", "|---|---|---|---|---|"]
+    for mode, name in (("reuse", "key, reusing"), ("whole", "key, encoded whole"),
+                       ("decision", "decision: key, lookup, record (16 chats, 4 replicas, CPU)")):
         t = c[mode]["turn_ms"]
-        out.append(f"| {mode} | {t[0]:.2f} | {t[9]:.2f} | {t[-1]:.2f} | {c[mode]['last_over_first']:.2f} |")
+        out.append(f"| {name} | {t[0]:.2f} | {t[9]:.2f} | {t[-1]:.2f} | {c[mode]['last_over_first']:.2f} |")
     out += ["", "## Short requests beside first-seen 100,000-token prompts (32 clients, HTTP)", "",
             "| traffic | short requests | p50 (ms) | p99 (ms) | max (ms) | long prompts | failed |",
             "|---|---|---|---|---|---|---|"]
@@ -357,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, 2):
             report["conversation"] = {m: conversation(folder, args.chats, args.turns, m == "reuse")
                                       for m in ("reuse", "whole")}
+            report["conversation"]["decision"] = decisions(folder, 16, args.turns)
             print(json.dumps(report["conversation"]), file=sys.stderr, flush=True)
         if args.only in (None, 3):
             report["beside"] = beside_long_prompt(folder, args.seconds, args.concurrency, Path(tmp))
