@@ -84,3 +84,12 @@ def test_blocks_whose_hashes_collide_never_keep_it_over_its_capacity():
     for capacity in (4, 2, 0):
         tree.evict(capacity)
         assert len(tree) <= capacity
+
+
+def test_a_full_garbage_collection_does_not_walk_the_blocks():
+    import gc
+    tree = ChainLRU()
+    for stamp in range(1, 50):
+        tree.record(list(range(stamp * 1000, stamp * 1000 + 200)), stamp)
+    gc.collect()
+    assert not any(gc.is_tracked(block) for block in tree._blocks.values())
