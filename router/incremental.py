@@ -27,6 +27,7 @@ import time
 from array import array
 from bisect import bisect_left
 from collections import OrderedDict, deque
+from functools import partial
 from operator import itemgetter
 from typing import Any, Callable, Union
 
@@ -222,7 +223,8 @@ class Incremental:
 
     def encode(self, text: str, add_special_tokens: bool, budget: int | None = None) -> array | None:
         """The ids of ``text`` (an ``array("I")``), or None where it must be encoded another way; raises
-        :class:`OverBudget` before encoding more than ``budget`` characters where one is given."""
+        :class:`OverBudget` before encoding more than ``budget`` characters where one is given, its ``rest`` going
+        on from the blocks found here."""
         if not self._check.enabled or len(text) < MIN_CHARS or (add_special_tokens and self._frame is None):
             return None
         hashes = block_hashes(text)
@@ -232,7 +234,13 @@ class Incremental:
             deque(map(self._blocks.move_to_end, hashes[:known]), maxlen=0)  # used: last out
         encoded = len(text) - max(0, known * BLOCK_CHARS - MARGIN_CHARS)  # what the windows compute (about)
         if budget is not None and (encoded > budget or self._check.due(len(text), encoded)):
-            raise OverBudget(encoded)  # before the kept ids are joined: the thread that takes it over joins them
+            # before the kept ids are joined: the thread that takes it over joins them
+            raise OverBudget(encoded, partial(self._finish, text, add_special_tokens, hashes, found, known, encoded))
+        return self._finish(text, add_special_tokens, hashes, found, known, encoded, may_check=budget is None)
+
+    def _finish(self, text: str, add_special_tokens: bool, hashes: list[int], found: list[Any], known: int,
+                encoded: int, may_check: bool = True) -> array | None:
+        """:meth:`encode` from the kept blocks found: their ids joined, the rest of the text encoded."""
         ids, starts = array("I"), array("I")
         kept = found[:known]
         ids.frombytes(b"".join(map(_IDS, kept)))
@@ -254,7 +262,7 @@ class Incremental:
             framed += ids
             framed.extend(self._frame[1])
             ids = framed
-        return self._check(text, add_special_tokens, ids, encoded, may_check=budget is None)
+        return self._check(text, add_special_tokens, ids, encoded, may_check=may_check)
 
     def _extend(self, text: str, ids: array, starts: array, pos: int) -> bool | None:
         """Complete ``ids`` (the tokens of ``text`` up to ``pos``, the last ones maybe unfinished) to the end of

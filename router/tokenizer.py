@@ -132,7 +132,13 @@ class LocalTokenizer:
         try:
             return self._ids(text, add_special_tokens, budget)
         except OverBudget as e:
-            raise OverBudget(e.chars, partial(self._ids, text, add_special_tokens)) from None
+            raise OverBudget(e.chars, partial(self._rest, text, add_special_tokens, e.rest)) from None
+
+    def _rest(self, text: str, add_special_tokens: bool, encoder_rest: Callable[[], Ids | None] | None) -> Ids:
+        """What :meth:`ids` left to a thread: the incremental encoder's rest where it left one, else (or where that
+        cannot finish) the whole way again without a budget."""
+        ids = encoder_rest() if encoder_rest is not None else None
+        return ids if ids is not None else self._ids(text, add_special_tokens)
 
     def _ids(self, text: str, add_special_tokens: bool, budget: int | None = None) -> Ids:
         if self._incremental is not None:
