@@ -33,6 +33,8 @@ from typing import Any, Callable, Union
 
 import xxhash
 
+from .runs import Runs
+
 log = logging.getLogger("kvroute.tokenizer")
 
 MIN_CHARS = 4096  # shorter texts are encoded whole (or by pieces): cheap
@@ -140,50 +142,18 @@ class WholeCheck:
 
 
 RUN_BLOCKS = 8  # blocks named together: a run named before gives its blocks' hashes without hashing each
-_RUNS_KEPT = 4096  # runs remembered (~300 KB; then the table starts over)
-_runs: dict[int, tuple[int, ...]] = {}  # run name -> the hashes of its blocks
+_runs = Runs(4096)  # texts' runs (about 3 MB when full)
+_RUN_SEED = xxhash.xxh3_64_intdigest(b"runs of text blocks")
 
 
 def block_hashes(text: str) -> list[int]:
-    """The chained hashes of the full blocks of ``text``.
-
-    They are found run by run: one hash over ``RUN_BLOCKS`` blocks, chained over the runs before, names the
-    whole text up to the run's end, so a run named before (a conversation's earlier turns, a shared document)
-    gives its blocks' hashes at once, and only new text is hashed block by block.
-    """
-    hasher = xxhash.xxh3_64_intdigest
-    data: Any = memoryview(text.encode("ascii")) if text.isascii() else None  # ASCII: blocks are byte slices
-
-    def piece(start: int, stop: int) -> Any:
-        return data[start:stop] if data is not None else text[start:stop].encode("utf-8", "surrogatepass")
-
-    out: list[int] = []
-    h = 0
-    name = _RUN_SEED
-    run_chars = RUN_BLOCKS * BLOCK_CHARS
-    runs_end = len(text) // run_chars * run_chars
-    for start in range(0, runs_end, run_chars):
-        name = hasher(piece(start, start + run_chars), seed=name)
-        got = _runs.get(name)
-        if got is None:
-            fresh = []
-            for at in range(start, start + run_chars, BLOCK_CHARS):
-                h = hasher(piece(at, at + BLOCK_CHARS), seed=h)
-                fresh.append(h)
-            got = tuple(fresh)
-            if len(_runs) >= _RUNS_KEPT:
-                _runs.clear()
-            _runs[name] = got
-        out.extend(got)
-        h = got[-1]
-    for start in range(runs_end, len(text) - BLOCK_CHARS + 1, BLOCK_CHARS):
-        h = hasher(piece(start, start + BLOCK_CHARS), seed=h)
-        out.append(h)
-    return out
+    """The chained hashes of the full blocks of ``text``, found run by run (:mod:`router.runs`): a run named before
+    (a conversation's earlier turns, a shared document) gives its blocks' hashes at once."""
+    data = memoryview(text.encode("ascii")) if text.isascii() else text  # ASCII: blocks are byte slices
+    return _runs.chain(data, BLOCK_CHARS, RUN_BLOCKS, 0, _RUN_SEED)
 
 
 _IDS, _STARTS = itemgetter(0), itemgetter(1)  # of a kept block
-_RUN_SEED = xxhash.xxh3_64_intdigest(b"runs of text blocks")
 
 
 # (text, where it begins in the whole) -> (its ids, where each token starts in the whole), or None

@@ -30,7 +30,6 @@ import math
 import struct
 import sys
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
@@ -38,6 +37,7 @@ import xxhash
 
 from .incremental import OverBudget
 from .render import Unkeyable
+from .runs import Runs
 
 if TYPE_CHECKING:
     from .tokenizer import LocalTokenizer
@@ -101,49 +101,21 @@ def root_seed(model: str, lora: str | None = None, cache_salt: str | None = None
 
 
 _RUN_BYTES = 2048  # a run of blocks about this long is named by one hash, and its blocks' hashes kept under it
-_RUNS_KEPT = 4096  # runs kept, the first kept out first (about 6 MB when full)
-# run name -> the hashes of its blocks, as the int objects a chain is a list of (extending a list by them is a copy
-# of references, where an array's would be made anew: 2,500 of them for a 40,000-token prompt)
-_runs: "OrderedDict[int, tuple[int, ...]]" = OrderedDict()
+_runs = Runs(4096)  # prompts' runs (about 6 MB when full)
 
 
 def chain_bytes(data: bytes | memoryview, block_bytes: int, seed: int, remember: bool = False) -> list[int]:
     """Hashes of the full ``block_bytes``-sized blocks of ``data``, each seeded by the previous.
 
     With ``remember`` (prompts: their heads recur; not the blocks of KV events, which do not) a long text's
-    blocks are hashed run by run: one hash over a whole run (chained over the runs before it and seeded by
-    ``seed`` and ``block_bytes``) names everything up to its end, so a run named before gives its blocks'
-    hashes at once. A prompt that shares 11,000 tokens with an earlier one hashes its blocks only past them.
+    blocks are hashed run by run (:mod:`router.runs`; the run names seeded by ``seed`` and ``block_bytes``): a
+    prompt that shares 11,000 tokens with an earlier one hashes its blocks only past them.
     """
-    hasher = xxhash.xxh3_64_intdigest
     per_run = max(4, _RUN_BYTES // block_bytes)
-    blocks = len(data) // block_bytes
-    out: list[int] = []
-    h = seed
-    start = 0
-    if remember and blocks >= 2 * per_run:
-        view = memoryview(data)
-        run_bytes = per_run * block_bytes
-        name = hasher(block_bytes.to_bytes(8, "little"), seed=seed)
-        for start in range(0, blocks // per_run * run_bytes, run_bytes):
-            name = hasher(view[start:start + run_bytes], seed=name)
-            got = _runs.get(name)
-            if got is None:
-                fresh = []
-                for at in range(start, start + run_bytes, block_bytes):
-                    h = hasher(view[at:at + block_bytes], seed=h)
-                    fresh.append(h)
-                got = tuple(fresh)
-                if len(_runs) >= _RUNS_KEPT:
-                    _runs.popitem(last=False)
-                _runs[name] = got
-            out.extend(got)
-            h = got[-1]
-        start = blocks // per_run * run_bytes
-    for start in range(start, blocks * block_bytes, block_bytes):
-        h = hasher(data[start:start + block_bytes], seed=h)
-        out.append(h)
-    return out
+    if not (remember and len(data) // block_bytes >= 2 * per_run):
+        per_run = 0
+    name = xxhash.xxh3_64_intdigest(block_bytes.to_bytes(8, "little"), seed=seed) if per_run else 0
+    return _runs.chain(memoryview(data), block_bytes, per_run, seed, name)
 
 
 def chain_tokens(ids: Sequence[int], block_tokens: int, seed: int, remember: bool = False) -> list[int]:

@@ -112,7 +112,7 @@ def test_long_prompts_hashed_run_by_run_equal_block_by_block(data, block, cut):
 def test_the_runs_kept_are_bounded(monkeypatch):
     import os
     from router import prefix
-    monkeypatch.setattr(prefix, "_RUNS_KEPT", 10)
+    monkeypatch.setattr(prefix._runs, "kept", 10)
     for _ in range(30):
         chain_bytes(os.urandom(8192), 16, SEED, remember=True)
     assert len(prefix._runs) <= 10
