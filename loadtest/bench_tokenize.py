@@ -75,23 +75,37 @@ def shared_prompts(folder: Path, requests: int, reuse: bool, seed: int = 0) -> d
             "prompt_tokens": len(tok.encode(heads[0] + words(rng, 1_000, vocab)))}
 
 
+Chat = list[dict[str, str]]
+
+
+def new_chat(rng: random.Random, name: str) -> Chat:
+    """A conversation's start: its system prompt (~1,000 words of the tiny model's vocabulary)."""
+    return [{"role": "system", "content": f"chat {name}: " + words(rng, 1_000, VOCABULARIES["tiny-model"])}]
+
+
+def next_turn(rng: random.Random, chat: Chat) -> None:
+    """The chat's next turn (~2,000 tokens): the assistant's answer to the last message, if any, and the user's next."""
+    vocab = VOCABULARIES["tiny-model"]
+    if chat[-1]["role"] == "user":
+        chat.append({"role": "assistant", "content": words(rng, 1_000, vocab)})
+    chat.append({"role": "user", "content": words(rng, 1_000, vocab)})
+
+
 def conversation(folder: Path, chats: int, turns: int, reuse: bool, seed: int = 0) -> dict[str, Any]:
     from router.prefix import key_for
     from router.tokenizer import LocalTokenizer
 
     tok = LocalTokenizer(folder, reuse=reuse)
     rng = random.Random(seed)
-    vocab = VOCABULARIES["tiny-model"]
     per_turn: list[list[float]] = [[] for _ in range(turns)]
     tokens = 0
     for c in range(chats):
-        messages: list[dict[str, str]] = [{"role": "system", "content": f"chat {c}: " + words(rng, 1_000, vocab)}]
+        messages = new_chat(rng, str(c))
         for t in range(turns):
-            messages.append({"role": "user", "content": words(rng, 1_000, vocab)})
+            next_turn(rng, messages)
             body = {"model": "m", "messages": list(messages)}
             per_turn[t].append(_timed(lambda: key_for("/v1/chat/completions", body, "m", tokenizer=tok)))
-            messages.append({"role": "assistant", "content": words(rng, 1_000, vocab)})
-        tokens = len(tok.encode(tok.render_chat(messages[:-1]), add_special_tokens=False))
+        tokens = len(tok.encode(tok.render_chat(messages), add_special_tokens=False))
     medians = [statistics.median(ts) * 1e3 for ts in per_turn]
     return {"turn_ms": medians, "last_over_first": medians[-1] / medians[0], "last_turn_tokens": tokens}
 
@@ -111,20 +125,16 @@ def decisions(folder: Path, chats: int, turns: int, seed: int = 0) -> dict[str, 
     for r in gw.pool:
         gw.pool.health.mark_success(r)
     rng = random.Random(seed)
-    vocab = VOCABULARIES["tiny-model"]
     per_turn: list[list[float]] = [[] for _ in range(turns)]
 
     async def run() -> None:
         await gw.decider.start()
         try:
             for counted in (False, True):  # the first round warms the tokenizer's first checks and the code paths
-                histories = [[{"role": "system", "content": f"chat {counted}.{c}: " + words(rng, 1_000, vocab)}]
-                             for c in range(chats)]
+                histories = [new_chat(rng, f"{counted}.{c}") for c in range(chats)]
                 for t in range(turns if counted else 2):
                     for h in histories:
-                        if t:
-                            h.append({"role": "assistant", "content": words(rng, 1_000, vocab)})
-                        h.append({"role": "user", "content": words(rng, 1_000, vocab)})
+                        next_turn(rng, h)
                         payload = {"model": "tiny", "max_tokens": 1, "messages": list(h)}
                         started = time.process_time()  # every thread's: a long prompt is keyed on one
                         req = RouteRequest(model="tiny", request_id="bench", endpoint="/v1/chat/completions",
@@ -252,7 +262,6 @@ def _until_it_routes(rt: Proc, mode: str) -> None:
 def conversation_over_http(mode: str, folder: Path, groups: int, chats: int, turns: int, logs: Path) -> dict[str, Any]:
     """CPU per request of the router process (``mode``: one of :data:`MODES`) at each turn of growing
     conversations sent through it, in front of 4 instant replicas."""
-    vocab = VOCABULARIES["tiny-model"]
     sim, ports = _instant_replicas(logs, "sim-chat")
     rt: Proc | None = None
     try:
@@ -266,14 +275,11 @@ def conversation_over_http(mode: str, folder: Path, groups: int, chats: int, tur
         async def one_group(g: int, turns: int, counted: bool) -> None:
             conn = H1Connection("127.0.0.1", port)
             try:
-                histories: list[list[dict[str, str]]] = [
-                    [{"role": "system", "content": f"chat {g}.{c}: " + words(rng, 1_000, vocab)}] for c in range(chats)]
+                histories = [new_chat(rng, f"{g}.{c}") for c in range(chats)]
                 for t in range(turns):
                     bodies = []
                     for h in histories:
-                        if t:
-                            h.append({"role": "assistant", "content": words(rng, 1_000, vocab)})
-                        h.append({"role": "user", "content": words(rng, 1_000, vocab)})
+                        next_turn(rng, h)
                         bodies.append(json.dumps({"model": "tiny", "max_tokens": 1, "messages": h}).encode())
                     cpu_before = cpu_ns(pid)
                     for body in bodies:  # one at a time: the router's CPU in this span is these requests'
