@@ -47,7 +47,9 @@ class PredictedTTFTScorer(Scorer):
                    + occupancy_weight_tokens / prefill rate (or occupancy_weight_s)
                      x share of its KV blocks the index holds (if the prompt adds a block)
                    - session_bonus_s if it served this session last
-                   + recompute_weight x (prompt tokens another replica holds cached that it lacks) / prefill rate
+                   + recompute_weight x (prompt tokens another replica holds cached that it lacks) / prefill rate,
+                     for a prompt that holds its own history; for one that shares a prefix with others, the same
+                     x prefill_recompute_weight on a split request's prefill, else nothing
                    + stall_weight x load x (uncached prompt tokens beyond one step's max_num_batched_tokens)
                      / prefill rate
     score = 1 / (1 + cost), each term one field of :class:`CostTerms`. Uncached tokens come from the prefix
@@ -125,6 +127,13 @@ class PredictedTTFTScorer(Scorer):
             # (weighed alike, conversations under one system prompt piled on its first holder: multi-turn hit
             # rate 0.70-0.74 against 0.78-0.79, TTFT p90 268-387 ms against 112-133)
             recompute = cfg.recompute_weight * held_elsewhere / view.prefill_rate
+        elif cfg.prefill_recompute_weight and held_elsewhere > 0 and req.phase == "prefill":
+            # but on a prefill replica the copy is the whole cost to others: all it does is prefill, so every request
+            # queued there waits for it. Weighed by this request's time alone, a shared prefix was copied whenever its
+            # holder had a prompt or two queued: up to one prompt in 16 computed 8,192 tokens again, and with the
+            # prompts queued behind those they made the p90 (disaggregated benchmark at 70% load, eleven runs: hit
+            # rate 0.624-0.663 against 0.665, TTFT p90 802-1,526 ms against 812-857 in six runs with the term)
+            recompute = cfg.prefill_recompute_weight * held_elsewhere / view.prefill_rate
         stall = 0.0
         beyond = missing - view.max_num_batched_tokens
         if cfg.stall_weight and beyond > 0 and req.phase != "decode" and view.role != "prefill":

@@ -191,6 +191,36 @@ def test_a_prefix_many_prompts_share_costs_nothing_to_compute_again_on_another_r
     assert scorer.explain(r, view("other", prefill_tokens_per_s=1000))["recompute_s"] == 0
 
 
+def test_a_split_requests_prefill_pays_prefill_recompute_weight_for_a_shared_prefix_held_elsewhere():
+    # on a prefill replica a copy of a shared system prompt is time every request queued behind it waits
+    r = req(prompt=12_288, cached={"holder": 8192, "other": 0})
+    r.phase = "prefill"
+    scorer = PredictedTTFTScorer(CacheAwareConfig(recompute_weight=3, prefill_recompute_weight=0.5))
+    parts = {n: scorer.explain(r, view(n, prefill_tokens_per_s=1000)) for n in ("holder", "other")}
+    assert parts["holder"]["recompute_s"] == 0
+    assert parts["other"]["recompute_s"] == pytest.approx(0.5 * 8.192)
+    off = PredictedTTFTScorer(CacheAwareConfig(prefill_recompute_weight=0)).explain(r, view("other",
+                                                                                           prefill_tokens_per_s=1000))
+    assert off["recompute_s"] == 0
+
+
+def test_a_split_requests_prefill_stays_with_the_holder_of_its_shared_prefix_until_its_queue_outweighs_the_copy():
+    # 8,192 tokens held by one replica; the other would compute them again. Alone, the request's own time says
+    # move once the holder's queue beyond its step passes 8,192 tokens; the copy's cost to others doubles that
+    r = req(prompt=12_288, cached={"holder": 8192, "idle": 0})
+    r.phase = "prefill"
+
+    def pick(queued, weight=1.0):
+        scorer = PredictedTTFTScorer(CacheAwareConfig(prefill_recompute_weight=weight))
+        views = [view("holder", pending=queued, prefill_tokens_per_s=10_000, max_num_batched_tokens=8192),
+                 view("idle", prefill_tokens_per_s=10_000, max_num_batched_tokens=8192)]
+        return max(views, key=lambda v: scorer(r, v)).name
+
+    assert pick(12_288) == "holder"  # three prompts' questions queued there
+    assert pick(12_288, weight=0) == "idle"  # by its own time alone a tie, lost on the holder's fuller cache
+    assert pick(24_576) == "idle"
+
+
 def test_a_prompt_longer_than_a_step_costs_stall_weight_times_the_rest_of_its_prefill_per_request_running_there():
     r = req(prompt=10_240, cached={"holder": 8192})
     scorer = PredictedTTFTScorer(CacheAwareConfig(stall_weight=0.5))
