@@ -219,7 +219,7 @@ class CacheAwareConfig(_Model):
                                             "prefill replica does nothing but prefill, so a copy computed there is "
                                             "time every request queued behind it waits, and a prefix is copied only "
                                             "when its holder's queue outweighs that too (disaggregated benchmark at "
-                                            "70% load: hit rate 0.665 and TTFT p90 812-857 ms in six runs, against "
+                                            "70% load: hit rate 0.665 and TTFT p90 799-872 ms in eleven runs, against "
                                             "0.624-0.663 and 802-1,526 ms in eleven without). 0 weighs only this "
                                             "request's own time to first token")
     stall_weight: float = Field(0.3, ge=0, description="a prompt computed on a replica holds up each request running "

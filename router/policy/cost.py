@@ -132,7 +132,7 @@ class PredictedTTFTScorer(Scorer):
             # queued there waits for it. Weighed by this request's time alone, a shared prefix was copied whenever its
             # holder had a prompt or two queued: up to one prompt in 16 computed 8,192 tokens again, and with the
             # prompts queued behind those they made the p90 (disaggregated benchmark at 70% load, eleven runs: hit
-            # rate 0.624-0.663 against 0.665, TTFT p90 802-1,526 ms against 812-857 in six runs with the term)
+            # rate 0.624-0.663 against 0.665, TTFT p90 802-1,526 ms against 799-872 in eleven runs with the term)
             recompute = cfg.prefill_recompute_weight * held_elsewhere / view.prefill_rate
         stall = 0.0
         beyond = missing - view.max_num_batched_tokens
