@@ -121,19 +121,19 @@ class PredictedTTFTScorer(Scorer):
             session = -cfg.session_bonus_s
         recompute = 0.0
         held_elsewhere = req.best_cached - req.cached.get(view.name, 0)
-        if cfg.recompute_weight and held_elsewhere > 0 and req.extends_earlier and req.phase != "decode":
+        if held_elsewhere > 0 and req.phase != "decode":
             # the fleet pays for a prompt's own history computed twice: prefill others wait for, and a second copy
             # in cache. Not for a prefix many prompts share: a copy of it on each replica is how their load spreads
             # (weighed alike, conversations under one system prompt piled on its first holder: multi-turn hit
-            # rate 0.70-0.74 against 0.78-0.79, TTFT p90 268-387 ms against 112-133)
-            recompute = cfg.recompute_weight * held_elsewhere / view.prefill_rate
-        elif cfg.prefill_recompute_weight and held_elsewhere > 0 and req.phase == "prefill":
-            # but on a prefill replica the copy is the whole cost to others: all it does is prefill, so every request
+            # rate 0.70-0.74 against 0.78-0.79, TTFT p90 268-387 ms against 112-133).
+            # But on a prefill replica the copy is the whole cost to others: all it does is prefill, so every request
             # queued there waits for it. Weighed by this request's time alone, a shared prefix was copied whenever its
             # holder had a prompt or two queued: up to one prompt in 16 computed 8,192 tokens again, and with the
             # prompts queued behind those they made the p90 (disaggregated benchmark at 70% load, eleven runs: hit
             # rate 0.624-0.663 against 0.665, TTFT p90 802-1,526 ms against 799-872 in eleven runs with the term)
-            recompute = cfg.prefill_recompute_weight * held_elsewhere / view.prefill_rate
+            weight = cfg.recompute_weight if req.extends_earlier else \
+                cfg.prefill_recompute_weight if req.phase == "prefill" else 0.0
+            recompute = weight * held_elsewhere / view.prefill_rate
         stall = 0.0
         beyond = missing - view.max_num_batched_tokens
         if cfg.stall_weight and beyond > 0 and req.phase != "decode" and view.role != "prefill":

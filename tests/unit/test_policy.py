@@ -204,6 +204,13 @@ def test_a_split_requests_prefill_pays_prefill_recompute_weight_for_a_shared_pre
     assert off["recompute_s"] == 0
 
 
+def test_a_split_requests_prefill_of_its_own_history_is_priced_by_recompute_weight_alone():
+    r = req(prompt=4096, cached={"holder": 3072, "other": 0}, extends=True)
+    r.phase = "prefill"
+    off = PredictedTTFTScorer(CacheAwareConfig(recompute_weight=0, prefill_recompute_weight=5))
+    assert off.explain(r, view("other", prefill_tokens_per_s=1000))["recompute_s"] == 0
+
+
 def test_a_split_requests_prefill_stays_with_the_holder_of_its_shared_prefix_until_its_queue_outweighs_the_copy():
     # 8,192 tokens held by one replica; the other would compute them again. Alone, the request's own time says
     # move once the holder's queue beyond its step passes 8,192 tokens; the copy's cost to others doubles that
